@@ -1,0 +1,10 @@
+"""maxpipe's typed config: base.yml <- models/NAME.yml <- presets/NAME.yml <- key=value overrides."""
+
+from configs.errors import ConfigError, UserError
+from configs.loader import available, load_config, parse_override, validate
+from configs.schema import Config, DataConfig, EvalConfig, ModelConfig, PipelineConfig, TrainConfig
+
+__all__ = [
+    "Config", "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "PipelineConfig", "TrainConfig",
+    "UserError", "available", "load_config", "parse_override", "validate",
+]

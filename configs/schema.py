@@ -1,0 +1,130 @@
+"""The typed config: one section per step, validated before any work starts."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+PosInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, lt=1)]
+Dtype = Literal["float32", "bfloat16"]
+
+
+class ModelConfig(_Section):
+    """A Llama-style decoder: sizes, RoPE, norm, dtypes."""
+
+    name: str
+    vocab_size: PosInt
+    emb_dim: PosInt
+    num_layers: PosInt
+    num_heads: PosInt
+    num_kv_heads: PosInt
+    head_dim: PosInt
+    mlp_dim: PosInt
+    rope_theta: PosFloat
+    norm_eps: PosFloat
+    tie_embeddings: bool
+    max_seq_len: PosInt
+    init_std: PosFloat
+    dtype: Dtype
+    param_dtype: Dtype
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"model.head_dim ({self.head_dim}) must be even for RoPE")
+        return self
+
+
+class DataConfig(_Section):
+    """Beam prep: inputs, tokenizer, packing and split."""
+
+    input: list[str]
+    text_field: str
+    tokenizer: str
+    seq_len: Annotated[int, Field(gt=1)]
+    val_fraction: Annotated[float, Field(gt=0, lt=1)]
+    train_shards: PosInt
+    val_shards: PosInt
+    bpe_train_max_bytes: PosInt
+    beam_args: list[str]
+
+
+class TrainConfig(_Section):
+    """Optimizer, schedule, checkpointing and mesh for the train step."""
+
+    steps: PosInt
+    batch_size: PosInt
+    learning_rate: PosFloat
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)]
+    warmup_steps: NonNegInt
+    weight_decay: NonNegFloat
+    b1: Fraction
+    b2: Fraction
+    grad_clip: NonNegFloat
+    seed: int
+    checkpoint_every: PosInt
+    keep_checkpoints: PosInt
+    log_every: PosInt
+    mesh: dict[Literal["data", "fsdp", "tensor"], int]
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> "TrainConfig":
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
+        if list(self.mesh.values()).count(-1) > 1:
+            raise ValueError("train.mesh: at most one axis may be -1 (fill the remaining devices)")
+        if any(v == 0 or v < -1 for v in self.mesh.values()):
+            raise ValueError("train.mesh: axis sizes must be positive or -1")
+        return self
+
+
+class EvalConfig(_Section):
+    """Validation perplexity and generation."""
+
+    batch_size: PosInt
+    max_batches: NonNegInt
+    prompt: str
+    max_new_tokens: NonNegInt
+    temperature: NonNegFloat
+    top_k: NonNegInt
+    seed: int
+
+
+class PipelineConfig(_Section):
+    """Where a local run writes, and an optional HF checkpoint to start from."""
+
+    name: str
+    root: str
+    hf_checkpoint: str
+
+
+class Config(_Section):
+    """The whole resolved config."""
+
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    eval: EvalConfig
+    pipeline: PipelineConfig
+
+    @model_validator(mode="after")
+    def _fits_together(self) -> "Config":
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
+            )
+        return self
