@@ -55,3 +55,74 @@ def abstract_params(cfg: ModelConfig, seq_len: int = 8) -> Any:
     tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
     boxed = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tokens)["params"]
     return nn.unbox(boxed)
+
+
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def train_checkpoints(run_dir: str | Path, keep: int = 2) -> ocp.CheckpointManager:
+    """Full-state checkpoints under `run_dir/checkpoints`: params, optimizer state, data iterator.
+
+    Orbax writes each step asynchronously to a temporary directory and renames it when complete,
+    so a crash never leaves a partial checkpoint that looks finished; older steps are deleted
+    only after a newer one is whole.
+    """
+    import grain
+
+    return ocp.CheckpointManager(
+        Path(run_dir).absolute() / CHECKPOINTS_DIR,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        item_handlers={
+            "params": ocp.StandardCheckpointHandler(),
+            "opt_state": ocp.StandardCheckpointHandler(),
+            "data": grain.checkpoint.CheckpointHandler(),
+        },
+    )
+
+
+def save_train_state(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any, data_iter: Any) -> None:
+    """Start writing a full checkpoint for `step` (returns before the write finishes)."""
+    import grain
+
+    manager.save(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            opt_state=ocp.args.StandardSave(opt_state),
+            data=grain.checkpoint.CheckpointSave(data_iter),
+        ),
+        force=True,
+    )
+
+
+def restore_train_state(
+    manager: ocp.CheckpointManager, step: int, abstract_params: Any, abstract_opt_state: Any, data_iter: Any
+) -> tuple[Any, Any]:
+    """Restore params, optimizer state and (in place) the data iterator from `step`."""
+    import grain
+
+    check_shapes(manager.item_metadata(step)["params"], abstract_params)
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params),
+            opt_state=ocp.args.StandardRestore(abstract_opt_state),
+            data=grain.checkpoint.CheckpointRestore(data_iter),
+        ),
+    )
+    return restored["params"], restored["opt_state"]
+
+
+def latest_trained_params(run_dir: str | Path, abstract: Any | None = None) -> tuple[int, Any]:
+    """The step and params of the newest complete checkpoint of a training run (no optimizer state)."""
+    path = Path(run_dir).absolute() / CHECKPOINTS_DIR
+    manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+                                    item_handlers={"params": ocp.StandardCheckpointHandler()})
+    step = manager.latest_step()
+    if step is None:
+        raise UserError(f"no complete training checkpoint in {path}")
+    if abstract is not None:
+        check_shapes(manager.item_metadata(step)["params"], abstract)
+    params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
+    manager.close()
+    return step, params

@@ -1,0 +1,64 @@
+"""One KFP lightweight component per step: typed artifacts in and out, the work done by `components.steps`.
+
+KFP copies each function's source into the pipeline spec, so every import sits inside the function
+and the body stays a thin call into `components.steps`, which is installed in the step's image
+(and, for `kfp.local`, in the running environment).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kfp import dsl
+from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
+
+# The image the CPU steps run in on Vertex/KFP, built from infra/ (locally the running venv is used).
+IMAGE = "maxpipe-cpu:latest"
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def prep_op(config: str, dataset: Output[Dataset]):
+    """Tokenize and pack the corpus into ArrayRecord shards."""
+    from components.kfp_support import kfp_step
+    from components import steps
+
+    kfp_step(lambda cfg: steps.prep(cfg, dataset.path), config, dataset)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def ingest_op(config: str, hf_checkpoint: str, params: Output[Model]):
+    """Convert a HF Llama safetensors checkpoint into Orbax params."""
+    from components.kfp_support import kfp_step
+    from components import steps
+
+    kfp_step(lambda cfg: steps.ingest(cfg, hf_checkpoint, params.path), config, params)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def train_op(config: str, dataset: Input[Dataset], checkpoints: Output[Model], init_params: Optional[Input[Model]] = None):
+    """Train from random init or from ingested params; full-state checkpoints out."""
+    from components.kfp_support import kfp_step
+    from components import steps
+
+    init_dir = init_params.path if init_params is not None else None
+    kfp_step(lambda cfg: steps.train(cfg, dataset.path, checkpoints.path, init_dir), config, checkpoints)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def export_op(config: str, checkpoints: Input[Model], dataset: Input[Dataset], model: Output[Model]):
+    """Param-only Orbax checkpoint and a HF directory from the last training checkpoint."""
+    from components.kfp_support import kfp_step
+    from components import steps
+
+    kfp_step(lambda cfg: steps.export(cfg, checkpoints.path, dataset.path, model.path), config, model)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def eval_op(config: str, model: Input[Model], dataset: Input[Dataset], report: Output[Artifact], metrics: Output[Metrics]):
+    """Validation loss, perplexity and a generated sample."""
+    from components.kfp_support import kfp_step
+    from components import steps
+
+    manifest = kfp_step(lambda cfg: steps.evaluate(cfg, model.path, dataset.path, report.path), config, report)
+    for key in ("val_loss", "val_perplexity", "val_tokens"):
+        metrics.log_metric(key, manifest["stats"][key])

@@ -1,0 +1,117 @@
+"""`maxpipe`: run the pipeline locally, compile it, or run one step.
+
+    maxpipe run [PRESET] [key=value ...]              the whole DAG under kfp.local
+    maxpipe compile [PRESET] [key=value ...] -o FILE  the KFP pipeline spec for Vertex AI / Kubeflow
+    maxpipe prep    [PRESET] [key=value ...] output=DIR
+    maxpipe ingest  [PRESET] [key=value ...] src=HF_DIR output=DIR
+    maxpipe train   [PRESET] [key=value ...] dataset=DIR output=DIR [init=PARAMS_DIR]
+    maxpipe export  [PRESET] [key=value ...] src=TRAIN_DIR dataset=DIR output=DIR
+    maxpipe eval    [PRESET] [key=value ...] src=EXPORT_DIR dataset=DIR output=DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Sequence
+
+from configs import Config, UserError, available, load_config
+
+# The artifact directories each single step reads and writes (`dst` is an alias of `output`).
+STEP_PATHS = {
+    "prep": ("output",),
+    "ingest": ("src", "output"),
+    "train": ("dataset", "output", "init"),
+    "export": ("src", "dataset", "output"),
+    "eval": ("src", "dataset", "output"),
+}
+OPTIONAL_PATHS = {"init"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `maxpipe` console script."""
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return _dispatch(args)
+    except UserError as err:
+        if args.debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - anything unexpected is still one line without --debug
+        if args.debug:
+            raise
+        print(f"error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", file=sys.stderr)
+    return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="maxpipe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and the KFP executor's full logs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "compile", *STEP_PATHS):
+        cmd = sub.add_parser(name, help=f"maxpipe {name}")
+        cmd.add_argument("items", nargs="*", metavar="[PRESET] key=value",
+                         help=f"a preset ({', '.join(available('presets'))}) and config overrides")
+        cmd.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+        if name == "compile":
+            cmd.add_argument("-o", "--output", default="pipeline.yaml", help="where to write the pipeline spec")
+    return parser
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    preset, overrides, paths = _split_items(args.items, STEP_PATHS.get(args.command, ()))
+    cfg = load_config(preset, overrides)
+    if args.command == "run":
+        from pipelines.local import run_local, summary
+
+        print(summary(run_local(cfg, verbose=args.debug)))
+    elif args.command == "compile":
+        from pipelines.dag import compile_pipeline
+
+        compile_pipeline(cfg, args.output)
+        print(f"wrote {args.output}")
+    else:
+        manifest = _run_step(args.command, cfg, paths)
+        print(f"{args.command}: {paths['output']} version {manifest['version']}")
+    return 0
+
+
+def _split_items(items: Sequence[str], path_keys: Sequence[str]) -> tuple[str | None, list[str], dict[str, str]]:
+    """Separate the preset, the config overrides and the step's artifact paths."""
+    preset, overrides, paths = None, [], {}
+    for i, item in enumerate(items):
+        key, sep, value = item.partition("=")
+        key = "output" if key == "dst" else key
+        if not sep and i == 0:
+            preset = item
+        elif key in path_keys:
+            paths[key] = value
+        else:
+            overrides.append(item)
+    missing = [k for k in path_keys if k not in paths and k not in OPTIONAL_PATHS]
+    if missing:
+        raise UserError(f"missing {', '.join(f'{k}=DIR' for k in missing)}")
+    return preset, overrides, paths
+
+
+def _run_step(command: str, cfg: Config, paths: dict[str, str]) -> dict[str, Any]:
+    from components import steps
+
+    if command == "prep":
+        return steps.prep(cfg, paths["output"])
+    if command == "ingest":
+        return steps.ingest(cfg, paths["src"], paths["output"])
+    if command == "train":
+        return steps.train(cfg, paths["dataset"], paths["output"], paths.get("init"))
+    if command == "export":
+        return steps.export(cfg, paths["src"], paths["dataset"], paths["output"])
+    return steps.evaluate(cfg, paths["src"], paths["dataset"], paths["output"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

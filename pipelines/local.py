@@ -1,0 +1,123 @@
+"""Run the whole DAG on this machine with `kfp.local` (each step a subprocess of this environment)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from components import artifacts
+from components.kfp_support import ERROR_PREFIX
+from configs import Config, UserError
+from pipelines.dag import build_pipeline
+
+Log = Callable[[str], None]
+
+
+def run_local(cfg: Config, verbose: bool = False, log: Log = print) -> dict[str, Any]:
+    """Run prep -> [ingest] -> train -> export -> eval under kfp.local; returns each output's manifest."""
+    from kfp import local
+
+    preflight(cfg)
+    root = Path(cfg.pipeline.root).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
+    pipeline = build_pipeline(cfg)
+    start = time.perf_counter()
+    with _step_logs(verbose) as errors:
+        try:
+            outputs = pipeline().outputs
+        except RuntimeError as err:
+            raise UserError(errors[-1] if errors else f"the pipeline failed: {err}") from None
+    manifests = {name: artifacts.require_manifest(art.path) for name, art in outputs.items() if name != "metrics"}
+    paths = {name: art.path for name, art in outputs.items()}
+    return {"seconds": time.perf_counter() - start, "manifests": manifests, "paths": paths}
+
+
+def preflight(cfg: Config) -> None:
+    """Checks that take a second and would otherwise fail minutes into the run."""
+    from data_prep import resolve_inputs
+    from components.steps import tokenizer_source
+
+    resolve_inputs(cfg.data.input)
+    tokenizer = tokenizer_source(cfg)
+    if tokenizer and not Path(tokenizer).exists():
+        raise UserError(f"data.tokenizer: {tokenizer} does not exist")
+    if cfg.pipeline.hf_checkpoint:
+        from trainer.hf import check_hf_config, read_hf_config
+
+        check_hf_config(read_hf_config(cfg.pipeline.hf_checkpoint), cfg.model)
+
+
+def summary(result: dict[str, Any]) -> str:
+    """A short report: where each artifact is, its version, losses, perplexity and a sample."""
+    m, paths = result["manifests"], result["paths"]
+    train, ev = m["checkpoints"]["stats"], m["report"]["stats"]
+    tokens = m["dataset"]["stats"]["tokens"]
+    lines = [f"maxpipe run finished in {result['seconds'] / 60:.1f} min", ""]
+    for name, what in (("dataset", "ArrayRecord shards"), ("checkpoints", "training checkpoints"),
+                       ("model", "exported model (Orbax params + hf/)"), ("report", "evaluation")):
+        lines.append(f"  {name:<12} {m[name]['version']}  {paths[name]}  ({what})")
+    lines += [
+        "",
+        f"  data        {tokens['train']:,} train tokens, {tokens['val']:,} validation tokens",
+        f"  train loss  {train['final_loss']:.4f} (mean of last 10 steps {train['mean_loss_last_10']:.4f}) "
+        f"after {train['steps']} steps",
+        f"  val loss    {ev['val_loss']:.4f}   perplexity {ev['val_perplexity']:.2f}",
+        f"  sample      {ev['prompt']!r} -> {ev['sample']!r}",
+    ]
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _step_logs(verbose: bool) -> Iterator[list[str]]:
+    """Show the steps' own output, without the KFP executor's JSON dumps unless verbose; collect error lines."""
+    errors: list[str] = []
+    real = sys.stdout
+    sink = _Filter(real, errors, verbose)
+    sys.stdout = sink
+    try:
+        yield errors
+    finally:
+        sink.flush()
+        sys.stdout = real
+
+
+class _Filter(io.TextIOBase):
+    def __init__(self, out: Any, errors: list[str], verbose: bool):
+        self.out, self.errors, self.verbose = out, errors, verbose
+        self.buffer, self.dump_end = "", None  # dump_end: the line that closes the executor_input JSON
+
+    def write(self, text: str) -> int:
+        self.buffer += text
+        *lines, self.buffer = self.buffer.split("\n")
+        for line in lines:
+            self._line(line)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.buffer:
+            self._line(self.buffer)
+            self.buffer = ""
+        self.out.flush()
+
+    def _line(self, line: str) -> None:
+        stripped = line.strip()
+        if stripped.startswith(ERROR_PREFIX):
+            self.errors.append(stripped.removeprefix(ERROR_PREFIX))
+        if not self.verbose:
+            if "Got executor_input:" in line:
+                self.dump_end = ""
+                return
+            if self.dump_end is not None:
+                if stripped == "{" and not self.dump_end:
+                    self.dump_end = line.replace("{", "}").rstrip()
+                elif line.rstrip() == self.dump_end:
+                    self.dump_end = None
+                return
+            if stripped.startswith("[KFP Executor") or not stripped:
+                return
+        self.out.write(line + "\n")
