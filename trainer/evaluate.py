@@ -1,0 +1,175 @@
+"""Evaluation: validation loss/perplexity over the val shards, and sampling a continuation of a prompt."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from configs import EvalConfig, ModelConfig, UserError
+from trainer.data import eval_batches, shard_paths
+from trainer.model import Transformer
+from trainer.tokenizer import load_tokenizer
+
+Array = jax.Array
+BATCH_AXES = ("data", "fsdp")  # mesh axes the batch is split over
+
+
+def token_loss(logits: Array, targets: Array, mask: Array) -> tuple[Array, Array]:
+    """Sum of float32 next-token cross-entropies where mask > 0, and the number of such positions."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    keep = mask > 0
+    return jnp.sum(jnp.where(keep, losses, 0.0)), jnp.sum(keep, dtype=jnp.float32)
+
+
+@functools.cache
+def _loss_step(cfg_json: str) -> Callable:
+    """One jitted (params, batch) -> (loss sum, token count, scored rows) per model config."""
+    model = Transformer(ModelConfig.model_validate_json(cfg_json))
+
+    @jax.jit
+    def step(params: Any, batch: dict[str, Array]) -> tuple[Array, Array, Array]:
+        logits = model.apply({"params": params}, batch["inputs"])
+        total, count = token_loss(logits, batch["targets"], batch["mask"])
+        return total, count, jnp.sum(jnp.any(batch["mask"] > 0, axis=-1))
+
+    return step
+
+
+def validation_loss(
+    params: Any, cfg: ModelConfig, paths: list[str], batch_size: int, max_batches: int = 0, mesh: Mesh | None = None
+) -> dict:
+    """Token-weighted mean next-token cross-entropy over the split: {"loss", "perplexity", "tokens", "sequences"}.
+
+    With a mesh, batches are split over its data/fsdp axes and params not already on it are replicated onto it.
+    """
+    step = _loss_step(cfg.model_dump_json())
+    batch_sharding = None
+    if mesh is not None:
+        params, batch_sharding = _on_mesh(params, mesh, batch_size)
+    # Keep results on device and read them at the end, so batches are dispatched without waiting.
+    results = []
+    for batch in eval_batches(paths, batch_size, max_batches):
+        if batch_sharding is not None:
+            batch = jax.device_put(batch, batch_sharding)
+        results.append(step(params, batch))
+    total, tokens, sequences = np.sum(jax.device_get(results), axis=0, dtype=np.float64) if results else np.zeros(3)
+    if not tokens:
+        raise UserError(f"the validation shards ({len(paths)} files) hold no tokens to score")
+    loss = float(total / tokens)
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss) if loss < 700 else math.inf,
+        "tokens": int(tokens),
+        "sequences": int(sequences),
+    }
+
+
+def _on_mesh(params: Any, mesh: Mesh, batch_size: int) -> tuple[Any, NamedSharding]:
+    """Params not yet laid out on `mesh` replicated onto it, and the batch sharding (replicated if it can't split)."""
+    devices = set(mesh.devices.flat)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    placed = lambda x: isinstance(x, jax.Array) and x.sharding.device_set == devices  # noqa: E731
+    params = jax.tree.map(lambda x: x if placed(x) else jax.device_put(x, replicated), params)
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    ways = math.prod(mesh.shape[a] for a in axes)
+    return params, NamedSharding(mesh, PartitionSpec(axes) if axes and batch_size % ways == 0 else PartitionSpec())
+
+
+@functools.cache
+def _decode_loop(cfg_json: str) -> Callable:
+    """One jitted decode loop per model config; it compiles once per buffer length, whatever the sampling settings."""
+    model = Transformer(ModelConfig.model_validate_json(cfg_json))
+
+    @jax.jit
+    def decode(
+        params: Any, buf: Array, start: Array, eos_id: Array, temperature: Array, top_k: Array, key: Array
+    ) -> tuple[Array, Array]:
+        def not_done(state: tuple[Array, Array, Array]) -> Array:
+            _, pos, done = state
+            return (pos < buf.shape[0]) & ~done
+
+        def next_token(state: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+            buf, pos, _ = state
+            # Causal attention: the zeros right of `pos` don't change the logits at pos - 1.
+            logits = model.apply({"params": params}, buf[None])[0, pos - 1]
+            kth = jnp.where(top_k > 0, jnp.sort(logits)[-jnp.maximum(top_k, 1)], -jnp.inf)
+            scaled = jnp.where(logits < kth, -jnp.inf, logits) / jnp.maximum(temperature, 1e-6)
+            sampled = jax.random.categorical(jax.random.fold_in(key, pos), scaled)
+            token = jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(buf.dtype)
+            return buf.at[pos].set(token), pos + 1, token == eos_id
+
+        buf, end, done = jax.lax.while_loop(not_done, next_token, (buf, start, jnp.bool_(False)))
+        return buf, end - done  # leave a final EOS out
+
+    return decode
+
+
+def generate(
+    params: Any,
+    cfg: ModelConfig,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+    eos_id: int | None,
+) -> list[int]:
+    """New token ids after the prompt, up to max_new_tokens or EOS (not included); greedy when temperature is 0."""
+    if not prompt_ids:
+        raise ValueError("generate needs at least one prompt token")
+    if max_new_tokens <= 0:
+        return []
+    # Keep the prompt's tail so prompt + new tokens fit in max_seq_len (at least one prompt token stays).
+    prompt = list(prompt_ids)[-max(cfg.max_seq_len - max_new_tokens, 1):]
+    length = min(len(prompt) + max_new_tokens, cfg.max_seq_len)
+    buf = np.zeros(length, np.int32)
+    buf[: len(prompt)] = prompt
+    out, end = _decode_loop(cfg.model_dump_json())(
+        params, jnp.asarray(buf), jnp.int32(len(prompt)), jnp.int32(-1 if eos_id is None else eos_id),
+        jnp.float32(temperature), jnp.int32(min(top_k, cfg.vocab_size)), jax.random.key(seed),
+    )
+    return np.asarray(out)[len(prompt) : int(end)].tolist()
+
+
+def evaluate(
+    params: Any, model_cfg: ModelConfig, eval_cfg: EvalConfig, dataset_dir: str | Path, log: Callable[[str], Any] = print
+) -> dict:
+    """Validation loss over the dataset's val shards and a sampled continuation of eval_cfg.prompt."""
+    tokenizer = load_tokenizer(Path(dataset_dir) / "tokenizer")
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise UserError(
+            f"the dataset's tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {model_cfg.vocab_size}"
+        )
+    val = validation_loss(params, model_cfg, shard_paths(dataset_dir, "val"), eval_cfg.batch_size, eval_cfg.max_batches)
+    log(
+        f"val loss {val['loss']:.4f}, perplexity {val['perplexity']:.2f} "
+        f"over {val['tokens']} tokens in {val['sequences']} sequences"
+    )
+
+    prompt_ids = ([] if tokenizer.bos_id is None else [tokenizer.bos_id]) + tokenizer.encode(eval_cfg.prompt)
+    sample = ""
+    if prompt_ids and eval_cfg.max_new_tokens:
+        new_ids = generate(
+            params, model_cfg, prompt_ids, eval_cfg.max_new_tokens, eval_cfg.temperature, eval_cfg.top_k,
+            eval_cfg.seed, tokenizer.eos_id,
+        )
+        sample = tokenizer.decode(new_ids)
+    elif not prompt_ids:
+        log("no sample: eval.prompt is empty and the tokenizer has no BOS token")
+    log(f"sample: {eval_cfg.prompt!r} -> {sample!r}")
+    return {
+        "val_loss": val["loss"],
+        "val_perplexity": val["perplexity"],
+        "val_tokens": val["tokens"],
+        "prompt": eval_cfg.prompt,
+        "sample": sample,
+    }
