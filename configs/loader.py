@@ -34,7 +34,8 @@ def load_config(preset: str | None = None, overrides: Sequence[str] = ()) -> Con
     for item in overrides:
         path, value = parse_override(item)
         _set(override_tree, path, value)
-    model_name = _model_name(override_tree) or _model_name(preset_tree) or merged["model"]["name"]
+    named = [_model_name(tree) for tree in (override_tree, preset_tree)]
+    model_name = next((n for n in named if n), merged["model"]["name"])
     if model_name not in available("models"):
         raise ConfigError(f"model: unknown model {model_name!r}{_suggest(model_name, available('models'))}")
     for tree in ({"model": _read_yaml(CONFIG_DIR / "models" / f"{model_name}.yml")}, preset_tree, override_tree):
