@@ -1,0 +1,195 @@
+"""The prep step: input files -> tokenizer + packed int32 ArrayRecord shards (train/val) + stats."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from configs import DataConfig, UserError
+from data_prep import tokenizer as tokenizers_
+from data_prep.pack import PAD, read_shard
+from data_prep.sources import fingerprint, read_documents, relative_names, resolve_inputs
+
+__all__ = ["fingerprint", "prepare", "resolve_inputs"]
+
+STAGING = ".prep-staging"  # everything is written here first and moved into place only once it all checks out
+
+
+def prepare(cfg: DataConfig, vocab_size: int, out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
+    """Tokenize and pack cfg.input into out_dir (shards + tokenizer/); returns JSON-serialisable stats."""
+    start = time.time()
+    if "://" in str(out_dir):
+        raise UserError(f"prep writes to local or mounted paths only, not {out_dir} (on Vertex use /gcs/BUCKET/...)")
+    out = Path(out_dir)
+    files = resolve_inputs(cfg.input)
+    size = sum(f.stat().st_size for f in files)
+    digest = fingerprint(files)
+    log(f"[prep] {len(files):,} input files, {_mb(size)} (fingerprint {digest[:12]})")
+
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        info, source = _tokenizer(cfg, vocab_size, files, staging / "tokenizer", log)
+        counters = _run_beam(files, cfg, staging, log)
+        stats = _stats(cfg, staging, info, source, files, size, digest, counters)
+        _check(stats, len(files), source)
+        _publish(staging, out, [s["name"] for s in stats["shards"]])
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    for shard in stats["shards"]:
+        log(f"[prep] {shard['name']}: {shard['sequences']:,} sequences, {shard['tokens']:,} tokens, {_mb(shard['bytes'])}")
+    tokens, seconds = sum(stats["tokens"].values()), time.time() - start
+    docs = stats["documents"]
+    skipped = f", skipped {stats['skipped']}" if stats["skipped"] else ""
+    log(
+        f"[prep] done in {seconds:.1f}s: {docs['train']:,} train / {docs['val']:,} val documents, "
+        f"{tokens:,} tokens ({tokens / seconds:,.0f} tokens/s){skipped}"
+    )
+    return stats
+
+
+def _tokenizer(
+    cfg: DataConfig, vocab_size: int, files: list[Path], folder: Path, log: Callable[[str], None]
+) -> tuple[tokenizers_.TokenizerInfo, str]:
+    """Install cfg.tokenizer in canonical form, or train a byte-level BPE on a sample of the corpus."""
+    if cfg.tokenizer:
+        info = tokenizers_.install(cfg.tokenizer, folder, vocab_size)
+        log(f"[prep] tokenizer {cfg.tokenizer} ({info.kind}, {info.vocab_size:,} tokens, eos {info.eos_token!r})")
+        return info, cfg.tokenizer
+    if vocab_size < tokenizers_.MIN_BPE_VOCAB:
+        raise UserError(
+            f"model.vocab_size ({vocab_size}) is too small for a byte-level BPE, which needs at least {tokenizers_.MIN_BPE_VOCAB}"
+        )
+    seen = {"bytes": 0, "documents": 0}
+    texts = _bpe_sample(files, cfg.text_field, cfg.bpe_train_max_bytes, seen)
+    first = next(texts, None)
+    if first is None:
+        raise UserError(f"empty corpus: no non-empty UTF-8 documents in the {len(files)} input files of {cfg.input}")
+    log(f"[prep] training a byte-level BPE tokenizer (vocab {vocab_size:,}) on up to {_mb(cfg.bpe_train_max_bytes)} of text")
+    began = time.time()
+    tok = tokenizers_.train_bpe(itertools.chain([first], texts), vocab_size)
+    info = tokenizers_.install_trained(tok, folder, vocab_size)
+    log(f"[prep] BPE trained on {seen['documents']:,} documents, {_mb(seen['bytes'])}, in {time.time() - began:.1f}s")
+    return info, "trained:byte-level-bpe"
+
+
+def _bpe_sample(files: list[Path], text_field: str, max_bytes: int, seen: dict) -> Iterator[str]:
+    """At most max_bytes of documents, files in a fixed pseudo-random order (by hash of their name)."""
+    order = sorted(zip((hashlib.sha256(n.encode()).hexdigest() for n in relative_names(files)), files))
+    for _, path in order:
+        for _, text in read_documents(path, text_field, lambda reason: None):
+            data = text.encode()
+            room = max_bytes - seen["bytes"]
+            if len(data) >= room:
+                text = data[:room].decode("utf-8", "ignore")
+            seen["bytes"] += min(len(data), room)
+            seen["documents"] += 1
+            yield text
+            if seen["bytes"] >= max_bytes:
+                return
+
+
+def _run_beam(files: list[Path], cfg: DataConfig, staging: Path, log: Callable[[str], None]) -> dict[str, int]:
+    from data_prep import pipeline  # Beam is imported only when a pipeline runs
+
+    options = pipeline.pipeline_options(cfg.beam_args)
+    separate = pipeline.runs_in_worker_processes(options)
+    log(f"[prep] Beam ({pipeline.describe(options)}): read, tokenize, split, pack, write")
+    began = time.time()
+    # Beam's worker processes already use every core: HF tokenizers' own thread pool in each would only
+    # oversubscribe them. Setting the variable also silences tokenizers' warning about forking after
+    # parallelism was used (BPE training above). An explicit user setting wins.
+    env = {"TOKENIZERS_PARALLELISM": "false"} if separate and "TOKENIZERS_PARALLELISM" not in os.environ else {}
+    with _environ(env):
+        counters = pipeline.run(files, cfg, staging / "tokenizer", staging, options)
+    log(f"[prep] Beam finished in {time.time() - began:.1f}s")
+    return counters
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _stats(
+    cfg: DataConfig, staging: Path, info: tokenizers_.TokenizerInfo, source: str, files: list[Path], size: int,
+    digest: str, counters: dict[str, int],
+) -> dict:
+    from data_prep.pipeline import shard_names
+
+    shards = []
+    for name in shard_names(cfg):
+        rows = read_shard(staging / name)
+        tokens = int((rows != PAD).sum())
+        shards.append({
+            "name": name, "split": name.split("-")[0], "sequences": len(rows), "tokens": tokens,
+            "padding_tokens": int(rows.size) - tokens, "bytes": (staging / name).stat().st_size, "sha256": _sha256(staging / name),
+        })
+    tok_file = staging / "tokenizer" / (tokenizers_.HF_FILE if info.kind == "hf" else tokenizers_.SP_FILE)
+    per_split = lambda key: {s: sum(x[key] for x in shards if x["split"] == s) for s in ("train", "val")}  # noqa: E731
+    return {
+        "documents": {s: counters.get(f"documents.{s}", 0) for s in ("train", "val")},
+        "tokens": per_split("tokens"),
+        "sequences": per_split("sequences"),
+        "padding_tokens": per_split("padding_tokens"),
+        "seq_len": cfg.seq_len,
+        "record_format": {"dtype": "int32le", "pad": PAD},
+        "shards": shards,
+        "tokenizer": {
+            "kind": info.kind, "source": source, "sha256": _sha256(tok_file), "vocab_size": info.vocab_size,
+            "eos_id": info.eos_id, "bos_id": info.bos_id,
+        },
+        "input": {"patterns": list(cfg.input), "files": len(files), "bytes": size, "fingerprint": digest},
+        "skipped": {k.removeprefix("skipped."): v for k, v in sorted(counters.items()) if k.startswith("skipped.") and v},
+    }
+
+
+def _check(stats: dict, n_files: int, source: str) -> None:
+    """Refuse output that trains nothing, with one line saying why."""
+    docs, skipped = stats["documents"], stats["skipped"]
+    if not sum(docs.values()):
+        if skipped.get("no_tokens"):
+            raise UserError(f"the corpus yields no tokens: all {skipped['no_tokens']} documents tokenize to nothing with {source}")
+        raise UserError(f"empty corpus: no usable documents in {n_files} input files (skipped: {skipped or 'none'})")
+    if not stats["tokens"]["train"]:
+        raise UserError(f"the train split is empty: the corpus has only {sum(docs.values())} document(s), all held out for val")
+
+
+def _publish(staging: Path, out: Path, names: list[str]) -> None:
+    """Move the staged shards and tokenizer into out, replacing any earlier run's."""
+    for old in [*out.glob("train-*.array_record"), *out.glob("val-*.array_record")]:
+        old.unlink()
+    for name in names:
+        os.replace(staging / name, out / name)
+    shutil.rmtree(out / "tokenizer", ignore_errors=True)
+    os.replace(staging / "tokenizer", out / "tokenizer")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
