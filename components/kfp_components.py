@@ -2,10 +2,10 @@
 
 KFP copies each function's source into the pipeline spec, so every import sits inside the function
 and the body stays a thin call into `components.steps`, which is installed in the step's image
-(and, for `kfp.local`, in the running environment).
+(and, for `kfp.local`, in the running environment). No `from __future__ import annotations` here:
+KFP reads the artifact types from the real annotations.
 """
 
-from __future__ import annotations
 
 from typing import Optional
 
@@ -17,7 +17,7 @@ IMAGE = "maxpipe-cpu:latest"
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def prep_op(config: str, dataset: Output[Dataset]):
+def prep(config: str, dataset: Output[Dataset]):
     """Tokenize and pack the corpus into ArrayRecord shards."""
     from components.kfp_support import kfp_step
     from components import steps
@@ -26,7 +26,7 @@ def prep_op(config: str, dataset: Output[Dataset]):
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def ingest_op(config: str, hf_checkpoint: str, params: Output[Model]):
+def ingest(config: str, hf_checkpoint: str, params: Output[Model]):
     """Convert a HF Llama safetensors checkpoint into Orbax params."""
     from components.kfp_support import kfp_step
     from components import steps
@@ -35,7 +35,7 @@ def ingest_op(config: str, hf_checkpoint: str, params: Output[Model]):
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def train_op(config: str, dataset: Input[Dataset], checkpoints: Output[Model], init_params: Optional[Input[Model]] = None):
+def train(config: str, dataset: Input[Dataset], checkpoints: Output[Model], init_params: Optional[Input[Model]] = None):
     """Train from random init or from ingested params; full-state checkpoints out."""
     from components.kfp_support import kfp_step
     from components import steps
@@ -45,7 +45,7 @@ def train_op(config: str, dataset: Input[Dataset], checkpoints: Output[Model], i
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def export_op(config: str, checkpoints: Input[Model], dataset: Input[Dataset], model: Output[Model]):
+def export(config: str, checkpoints: Input[Model], dataset: Input[Dataset], model: Output[Model]):
     """Param-only Orbax checkpoint and a HF directory from the last training checkpoint."""
     from components.kfp_support import kfp_step
     from components import steps
@@ -54,7 +54,7 @@ def export_op(config: str, checkpoints: Input[Model], dataset: Input[Dataset], m
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def eval_op(config: str, model: Input[Model], dataset: Input[Dataset], report: Output[Artifact], metrics: Output[Metrics]):
+def evaluate(config: str, model: Input[Model], dataset: Input[Dataset], report: Output[Artifact], metrics: Output[Metrics]):
     """Validation loss, perplexity and a generated sample."""
     from components.kfp_support import kfp_step
     from components import steps

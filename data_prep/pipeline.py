@@ -102,6 +102,21 @@ class WriteShardFn(beam.DoFn):
         yield name
 
 
+def _direct_runner(options: PipelineOptions) -> beam.runners.PipelineRunner | None:
+    """FnApiRunner for the DirectRunner, None (the options decide) for any other runner.
+
+    Beam's DirectRunner first tries the Prism runner, which downloads a binary from GitHub (offline
+    that fails and is logged; online the job would run elsewhere than configured). FnApiRunner is
+    what it falls back to, and it honours direct_running_mode and direct_num_workers.
+    """
+    runner = options.view_as(StandardOptions).runner or "DirectRunner"
+    if not runner.endswith("DirectRunner"):
+        return None
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+    return FnApiRunner()
+
+
 def shard_names(cfg: DataConfig) -> list[str]:
     """Every shard file the step writes, train first."""
     return [shard_name("train", i, cfg.train_shards) for i in range(cfg.train_shards)] + [
@@ -112,7 +127,7 @@ def shard_names(cfg: DataConfig) -> list[str]:
 def run(files: list[Path], cfg: DataConfig, tokenizer_dir: Path, out_dir: Path, options: PipelineOptions) -> dict[str, int]:
     """Run the graph, writing every shard of `shard_names(cfg)` into out_dir; returns its counters."""
     threshold = int(cfg.val_fraction * 2**_HASH_BITS)
-    p = beam.Pipeline(options=options)
+    p = beam.Pipeline(runner=_direct_runner(options), options=options)
     docs = (
         p
         | "Files" >> beam.Create([str(f) for f in files])

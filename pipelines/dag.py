@@ -1,13 +1,12 @@
 """The pipeline DAG: prep -> [ingest] -> train -> export -> eval, built from a resolved config."""
 
-from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
 from kfp import compiler, dsl
 from kfp.dsl import Artifact, Dataset, Metrics, Model
 
-from components.kfp_components import eval_op, export_op, ingest_op, prep_op, train_op
+from components import kfp_components as ops
 from configs import Config
 
 
@@ -25,18 +24,14 @@ def build_pipeline(cfg: Config) -> Callable[[], Outputs]:
 
     @dsl.pipeline(name=cfg.pipeline.name, description="maxpipe: tokenize, train, export and evaluate an LLM")
     def pipeline() -> Outputs:
-        prep = prep_op(config=config).set_display_name("prep")
+        prep = ops.prep(config=config)
         init = {}
         if cfg.pipeline.hf_checkpoint:
-            ingest = ingest_op(config=config, hf_checkpoint=cfg.pipeline.hf_checkpoint).set_display_name("ingest")
+            ingest = ops.ingest(config=config, hf_checkpoint=cfg.pipeline.hf_checkpoint)
             init = {"init_params": ingest.outputs["params"]}
-        train = train_op(config=config, dataset=prep.outputs["dataset"], **init).set_display_name("train")
-        export = export_op(
-            config=config, checkpoints=train.outputs["checkpoints"], dataset=prep.outputs["dataset"]
-        ).set_display_name("export")
-        evaluate = eval_op(
-            config=config, model=export.outputs["model"], dataset=prep.outputs["dataset"]
-        ).set_display_name("eval")
+        train = ops.train(config=config, dataset=prep.outputs["dataset"], **init)
+        export = ops.export(config=config, checkpoints=train.outputs["checkpoints"], dataset=prep.outputs["dataset"])
+        evaluate = ops.evaluate(config=config, model=export.outputs["model"], dataset=prep.outputs["dataset"])
         return Outputs(
             prep.outputs["dataset"], train.outputs["checkpoints"], export.outputs["model"],
             evaluate.outputs["report"], evaluate.outputs["metrics"],

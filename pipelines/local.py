@@ -6,6 +6,7 @@ import contextlib
 import io
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -26,6 +27,8 @@ def run_local(cfg: Config, verbose: bool = False, log: Log = print) -> dict[str,
     root.mkdir(parents=True, exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
     pipeline = build_pipeline(cfg)
+    # Locally every step runs in this environment, so the images named for the cloud are irrelevant.
+    warnings.filterwarnings("ignore", message=".*non-Python base image", category=RuntimeWarning)
     start = time.perf_counter()
     with _step_logs(verbose) as errors:
         try:
@@ -88,7 +91,7 @@ def _step_logs(verbose: bool) -> Iterator[list[str]]:
 
 class _Filter(io.TextIOBase):
     def __init__(self, out: Any, errors: list[str], verbose: bool):
-        self.out, self.errors, self.verbose = out, errors, verbose
+        self.out, self.error_lines, self.verbose = out, errors, verbose
         self.buffer, self.dump_end = "", None  # dump_end: the line that closes the executor_input JSON
 
     def write(self, text: str) -> int:
@@ -107,7 +110,7 @@ class _Filter(io.TextIOBase):
     def _line(self, line: str) -> None:
         stripped = line.strip()
         if stripped.startswith(ERROR_PREFIX):
-            self.errors.append(stripped.removeprefix(ERROR_PREFIX))
+            self.error_lines.append(stripped.removeprefix(ERROR_PREFIX))
         if not self.verbose:
             if "Got executor_input:" in line:
                 self.dump_end = ""

@@ -35,6 +35,7 @@ def init_params(model: Transformer, seq_len: int, seed: int, mesh: jax.sharding.
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     boxed = jax.eval_shape(model.init, jax.random.key(seed), tokens)["params"]
     init = jax.jit(lambda key: nn.unbox(model.init(key, tokens)["params"]), out_shardings=logical_shardings(boxed, mesh))
+    # `with mesh` (not jax.set_mesh): flax.linen's logical constraints inside nn.scan need the legacy context.
     with mesh, nn.logical_axis_rules(RULES):
         return init(jax.random.key(seed))
 
@@ -59,7 +60,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation) -> Cal
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return jax.jit(step, donate_argnums=(0, 1))
 

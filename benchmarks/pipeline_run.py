@@ -1,0 +1,42 @@
+"""Time the default `maxpipe run` end to end; anchor: the train step's own time (and the matmul peak).
+
+    python benchmarks/pipeline_run.py [PRESET] [key=value ...]
+
+Prints the wall time, each step's time, the share of the wall time spent training (the rest is
+orchestration, prep, export and eval), the training MFU against this machine's measured matmul
+peak, and the final losses. Record the output in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+
+from configs import load_config
+from pipelines.local import run_local, summary
+
+
+def main(argv: list[str]) -> None:
+    preset = argv[0] if argv and "=" not in argv[0] else None
+    overrides = argv[1:] if preset else argv
+    with tempfile.TemporaryDirectory() as root:
+        cfg = load_config(preset, [f"pipeline.root={root}", *overrides])
+        start = time.perf_counter()
+        result = run_local(cfg)
+        wall = time.perf_counter() - start
+        print(summary(result))
+        m = result["manifests"]
+        steps = {name: m[name]["stats"]["seconds"] for name in ("dataset", "checkpoints", "model", "report")}
+        train = m["checkpoints"]["stats"]
+        print()
+        print(f"wall time             {wall:7.1f} s")
+        for name, seconds in steps.items():
+            print(f"  {m[name]['step']:<8} step      {seconds:7.1f} s")
+        print(f"train share of wall   {steps['checkpoints'] / wall:7.1%}")
+        print(f"train tokens/s        {train['tokens_per_s']:9,.0f}   MFU {train['mfu']:.1%} of {train['peak_source']}")
+        print(f"final train loss      {train['final_loss']:.4f}   val loss {m['report']['stats']['val_loss']:.4f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

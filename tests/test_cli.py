@@ -1,0 +1,94 @@
+"""The single-step commands, their cache and errors, and `maxpipe compile`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from components.artifacts import MANIFEST
+from pipelines.cli import main
+from tests.helpers import small_corpus, tiny_hf_llama
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return small_corpus(tmp_path_factory.mktemp("cli") / "corpus", limit_bytes=200_000)
+
+
+def maxpipe(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_steps_one_by_one_with_cache(corpus, tmp_path, capsys):
+    data, run, export, report = (tmp_path / n for n in ("data", "run", "export", "report"))
+    common = ["tiny", f"data.input={corpus}/*.py", "data.beam_args=[--direct_running_mode=in_memory]"]
+    code, out, _ = maxpipe(capsys, "prep", *common, f"output={data}")
+    assert code == 0 and "prep:" in out
+    version = json.loads((data / MANIFEST).read_text())["version"]
+
+    code, out, _ = maxpipe(capsys, "prep", *common, f"output={data}")  # same inputs and config: a cache hit
+    assert code == 0 and "cache hit" in out and version in out
+
+    code, _, err = maxpipe(capsys, "prep", *common, "seq_len=32", f"output={data}")  # another version: refused
+    assert code == 1 and "already holds version" in one_error_line(err)
+    assert json.loads((data / MANIFEST).read_text())["version"] == version
+
+    assert maxpipe(capsys, "train", *common, "steps=4", f"dataset={data}", f"output={run}")[0] == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
+    assert maxpipe(capsys, "export", *common, "steps=4", f"src={run}", f"dataset={data}", f"output={export}")[0] == 0
+    assert (export / "hf" / "model.safetensors").is_file() and (export / "params").is_dir()
+    assert maxpipe(capsys, "eval", *common, f"src={export}", f"dataset={data}", f"output={report}")[0] == 0
+    metrics = json.loads((report / "metrics.json").read_text())
+    assert metrics["val_loss"] > 0 and metrics["val_perplexity"] > 1
+
+
+def test_missing_corpus_and_tokenizer_are_one_line(corpus, tmp_path, capsys):
+    code, _, err = maxpipe(capsys, "prep", "tiny", f"data.input={tmp_path}/none/*.txt", f"output={tmp_path / 'a'}")
+    assert code == 1 and "no input files match" in one_error_line(err)
+    code, _, err = maxpipe(
+        capsys, "prep", "tiny", f"data.input={corpus}/*.py", f"tokenizer={tmp_path}/no-such.json", f"output={tmp_path / 'b'}"
+    )
+    assert code == 1 and "no-such.json" in one_error_line(err)
+    assert not list(tmp_path.rglob(MANIFEST))
+
+
+def test_config_error_before_any_work(tmp_path, capsys):
+    code, _, err = maxpipe(capsys, "prep", "tiny", "sequence_len=3", f"output={tmp_path / 'x'}")
+    assert code == 1 and "unknown config key 'sequence_len'" in one_error_line(err)
+    assert not (tmp_path / "x").exists()
+    code, _, err = maxpipe(capsys, "train", "tiny", f"output={tmp_path / 'y'}")
+    assert code == 1 and "missing dataset=DIR" in one_error_line(err)
+
+
+def test_checkpoint_that_does_not_fit_the_model(corpus, tmp_path, capsys):
+    hf = tiny_hf_llama(tmp_path / "hf", corpus, mlp_dim=96)
+    capsys.readouterr()  # transformers' own progress output
+    code, _, err = maxpipe(capsys, "ingest", "tiny", f"src={hf}", f"output={tmp_path / 'params'}")
+    assert code == 1 and "mlp_dim" in one_error_line(err) and "96" in err and "128" in err
+    assert not (tmp_path / "params" / MANIFEST).exists()
+
+
+def test_compile_writes_a_spec_kfp_loads(tmp_path, capsys):
+    from kfp import components
+
+    spec = tmp_path / "pipeline.yaml"
+    assert maxpipe(capsys, "compile", "tiny", "pipeline.hf_checkpoint=/data/llama", "-o", str(spec))[0] == 0
+    pipeline = components.load_component_from_file(str(spec))
+    assert pipeline.name == "maxpipe"
+    tasks = yaml.safe_load(spec.read_text())["root"]["dag"]["tasks"]
+    assert set(tasks) == {"prep", "ingest", "train", "export", "evaluate"}
+    assert tasks["train"]["inputs"]["artifacts"]["init_params"]["taskOutputArtifact"]["producerTask"] == "ingest"
+
+    assert maxpipe(capsys, "compile", "tiny", "-o", str(spec))[0] == 0  # no checkpoint: no ingest step
+    assert "ingest" not in yaml.safe_load(spec.read_text())["root"]["dag"]["tasks"]

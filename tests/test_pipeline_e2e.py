@@ -1,0 +1,117 @@
+"""The whole pipeline through kfp.local on a small real corpus, checked against transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from components.artifacts import MANIFEST
+from configs import load_config
+from pipelines.local import run_local, summary
+from trainer.data import shard_paths
+from trainer.evaluate import validation_loss
+from trainer.model import Transformer
+from trainer.sharding import make_mesh
+from trainer.train import init_params
+from tests.helpers import small_corpus, tiny_hf_llama
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    corpus = small_corpus(tmp / "corpus")
+    cfg = load_config("tiny", [f"data.input={corpus}/*.py", f"pipeline.root={tmp / 'runs'}", "train.steps=40"])
+    return cfg, run_local(cfg)
+
+
+def test_every_artifact_is_complete_with_a_manifest(pipeline_run):
+    cfg, result = pipeline_run
+    kinds = {"dataset": "dataset", "checkpoints": "checkpoints", "model": "exported_model", "report": "metrics"}
+    for name, kind in kinds.items():
+        manifest = json.loads((Path(result["paths"][name]) / MANIFEST).read_text())
+        assert manifest["kind"] == kind and len(manifest["version"]) == 12
+        assert manifest == result["manifests"][name]
+    # Each step names the versions of its inputs: the lineage of the evaluation goes back to the data.
+    m = result["manifests"]
+    assert [i["version"] for i in m["report"]["inputs"]] == [m["model"]["version"], m["dataset"]["version"]]
+    assert m["model"]["inputs"][0]["version"] == m["checkpoints"]["version"]
+    assert m["checkpoints"]["inputs"][0]["version"] == m["dataset"]["version"]
+    text = summary(result)
+    assert "val loss" in text and m["model"]["version"] in text
+
+
+def test_training_lowers_validation_loss(pipeline_run):
+    cfg, result = pipeline_run
+    dataset = result["paths"]["dataset"]
+    seq_len = result["manifests"]["dataset"]["stats"]["seq_len"]
+    mesh = make_mesh(cfg.train.mesh)
+    initial = init_params(Transformer(cfg.model), seq_len, cfg.train.seed, mesh)  # the run's step-0 params
+    before = validation_loss(initial, cfg.model, shard_paths(dataset, "val"), cfg.eval.batch_size, cfg.eval.max_batches)
+    after = result["manifests"]["report"]["stats"]["val_loss"]
+    assert after < before["loss"] - 0.5, (before["loss"], after)
+
+
+def test_exported_hf_model_matches_ours(pipeline_run):
+    """transformers loads the export and gives our logits (float32; observed max abs diff ~1e-6)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg, result = pipeline_run
+    export = Path(result["paths"]["model"])
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(export / "hf", dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export / "hf")
+    ids = tokenizer("def main(argv):\n    return sorted(argv)\n" * 8)["input_ids"][:cfg.data.seq_len]
+
+    from trainer.checkpoint import abstract_params, load_params
+
+    params = load_params(export, abstract_params(cfg.model))
+    ours = np.asarray(Transformer(cfg.model).apply({"params": params}, jnp.asarray([ids], jnp.int32)))
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([ids])).logits.numpy()
+    # Same float32 math in a different order (XLA vs torch kernels): differences stay near 1e-6;
+    # 1e-4 leaves room for the platform without hiding a wrong weight (which shows up as >1e-1).
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_cli_run_reports_one_line_errors(tmp_path):
+    """A missing corpus is one clear line, exit code 1, and nothing that looks complete is written."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "run", "tiny", f"data.input={tmp_path}/nothing/*.txt",
+         f"pipeline.root={tmp_path}/runs"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and "no input files match" in proc.stderr, proc.stderr
+    assert not list(tmp_path.rglob(MANIFEST))
+
+
+def test_pipeline_from_a_hf_checkpoint(tmp_path):
+    """With pipeline.hf_checkpoint the DAG ingests it, tokenizes with its tokenizer, trains from its weights.
+
+    At a learning rate of 1e-12 training leaves the weights as they were, so the exported model must
+    give the original HF model's logits: ingest -> train -> export is checked against transformers.
+    """
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    corpus = small_corpus(tmp_path / "corpus", limit_bytes=200_000)
+    hf_dir = tiny_hf_llama(tmp_path / "hf", corpus)
+    cfg = load_config("tiny", [
+        f"data.input={corpus}/*.py", f"pipeline.root={tmp_path / 'runs'}", f"pipeline.hf_checkpoint={hf_dir}",
+        "train.steps=3", "warmup_steps=0", "learning_rate=1e-12", "eval.max_new_tokens=0",
+    ])
+    result = run_local(cfg)
+    m = result["manifests"]
+    assert m["dataset"]["stats"]["tokenizer"]["source"] == str(hf_dir)
+    assert [i["kind"] for i in m["checkpoints"]["inputs"]] == ["dataset", "params"]
+
+    ids = list(range(1, 200))
+    original = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(Path(result["paths"]["model"]) / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        before, after = (model(torch.tensor([ids])).logits.numpy() for model in (original, exported))
+    np.testing.assert_allclose(after, before, atol=1e-4, rtol=0)
