@@ -115,7 +115,7 @@ def _run_step(
     manifest = artifacts.publish(
         out_dir, kind=kind, step=step, version=version, code=code, config=config, inputs=inputs, stats=stats
     )
-    log(f"[{step}] done in {stats['seconds']:.1f}s")
+    log(f"[{step}] published version {version} ({stats['seconds']:.1f}s)")
     return manifest
 
 

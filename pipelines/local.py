@@ -16,6 +16,8 @@ from configs import Config, UserError
 from pipelines.dag import build_pipeline
 
 Log = Callable[[str], None]
+# Start-up chatter of Beam's worker processes (apitools is only needed for Dataflow), hidden unless --debug.
+NOISE = ("apitools not found", "Logging handler created")
 
 
 def run_local(cfg: Config, verbose: bool = False, log: Log = print) -> dict[str, Any]:
@@ -121,6 +123,6 @@ class _Filter(io.TextIOBase):
                 elif line.rstrip() == self.dump_end:
                     self.dump_end = None
                 return
-            if stripped.startswith("[KFP Executor") or not stripped:
+            if stripped.startswith("[KFP Executor") or not stripped or any(n in line for n in NOISE):
                 return
         self.out.write(line + "\n")
