@@ -109,7 +109,6 @@ def train(
     sharding = batch_sharding(mesh)
     metrics_log = metrics.MetricsLog(run_dir / METRICS_FILE, train_cfg.steps, train_cfg.log_every, log)
     pending: tuple[int, dict[str, jax.Array]] | None = None
-    last: dict[str, float] = {}
     tokens_per_step = train_cfg.batch_size * seq_len
     tick = time.perf_counter()
     with mesh, nn.logical_axis_rules(RULES):
@@ -117,12 +116,12 @@ def train(
             batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in next(data).items()}
             params, opt_state, out = step_fn(params, opt_state, batch)
             if pending:  # read the previous step's metrics now, so logging never stalls the device
-                last, tick = _record(metrics_log, *pending, tick, schedule, flops, peak, mesh.size, tokens_per_step)
+                tick = _record(metrics_log, *pending, tick, schedule, flops, peak, mesh.size, tokens_per_step)
             pending = (step, out)
             if step % train_cfg.checkpoint_every == 0 or step == train_cfg.steps:
                 checkpoint.save_train_state(manager, step, params, opt_state, data)
         if pending:
-            last, tick = _record(metrics_log, *pending, tick, schedule, flops, peak, mesh.size, tokens_per_step)
+            tick = _record(metrics_log, *pending, tick, schedule, flops, peak, mesh.size, tokens_per_step)
     manager.wait_until_finished()
     manager.close()
     metrics_log.close()
@@ -132,10 +131,7 @@ def train(
         "parameters": param_count(params),
         "seq_len": seq_len,
         "tokens_per_step": tokens_per_step,
-        "final_loss": last.get("loss"),
-        "mean_loss_last_10": _mean_tail(run_dir / METRICS_FILE, 10),
-        "tokens_per_s": last.get("tokens_per_s"),
-        "mfu": last.get("mfu"),
+        **_run_summary(run_dir / METRICS_FILE, first_step=start + 2),
         "peak_flops_per_device": peak,
         "peak_source": peak_source,
     }
@@ -144,8 +140,8 @@ def train(
 def _record(
     log: metrics.MetricsLog, step: int, out: dict[str, jax.Array], tick: float, schedule: optax.Schedule,
     flops: float, peak: float, devices: int, tokens: int,
-) -> tuple[dict[str, float], float]:
-    """Wait for a step's metrics, time it from the previous step's end, and log it; returns (metrics, now)."""
+) -> float:
+    """Wait for a step's metrics, time it from the previous step's end, and log it; returns the time now."""
     values = {k: float(v) for k, v in jax.device_get(out).items()}
     now = time.perf_counter()
     seconds = now - tick
@@ -155,13 +151,21 @@ def _record(
         tflops_per_device=tflops, mfu=tflops * 1e12 / peak,
     )
     log.write(step, values)
-    return values, now
+    return now
 
 
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def _mean_tail(path: Path, n: int) -> float | None:
-    losses = [json.loads(line)["loss"] for line in path.read_text().splitlines()[-n:]]
-    return float(np.mean(losses)) if losses else None
+def _run_summary(path: Path, first_step: int) -> dict[str, float | None]:
+    """Final loss, mean loss of the last 10 steps, and tokens/s and MFU from `first_step` on (no compilation)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    timed = [r for r in rows if r["step"] >= first_step] or rows[-1:]
+    seconds = sum(r["step_time"] for r in timed)
+    return {
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "mean_loss_last_10": float(np.mean([r["loss"] for r in rows[-10:]])) if rows else None,
+        "tokens_per_s": sum(r["tokens_per_s"] * r["step_time"] for r in timed) / seconds if timed else None,
+        "mfu": sum(r["mfu"] * r["step_time"] for r in timed) / seconds if timed else None,
+    }
