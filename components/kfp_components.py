@@ -22,7 +22,7 @@ def prep(config: str, dataset: Output[Dataset]):
     from components.kfp_support import kfp_step
     from components import steps
 
-    kfp_step(lambda cfg: steps.prep(cfg, dataset.path), config, dataset)
+    kfp_step(steps.plan_prep, config, dataset)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
@@ -31,7 +31,7 @@ def ingest(config: str, hf_checkpoint: str, params: Output[Model]):
     from components.kfp_support import kfp_step
     from components import steps
 
-    kfp_step(lambda cfg: steps.ingest(cfg, hf_checkpoint, params.path), config, params)
+    kfp_step(lambda cfg: steps.plan_ingest(cfg, hf_checkpoint), config, params)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
@@ -41,7 +41,7 @@ def train(config: str, dataset: Input[Dataset], checkpoints: Output[Model], init
     from components import steps
 
     init_dir = init_params.path if init_params is not None else None
-    kfp_step(lambda cfg: steps.train(cfg, dataset.path, checkpoints.path, init_dir), config, checkpoints)
+    kfp_step(lambda cfg: steps.plan_train(cfg, dataset.path, init_dir), config, checkpoints)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
@@ -50,7 +50,7 @@ def export(config: str, checkpoints: Input[Model], dataset: Input[Dataset], mode
     from components.kfp_support import kfp_step
     from components import steps
 
-    kfp_step(lambda cfg: steps.export(cfg, checkpoints.path, dataset.path, model.path), config, model)
+    kfp_step(lambda cfg: steps.plan_export(cfg, checkpoints.path, dataset.path), config, model)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
@@ -59,6 +59,6 @@ def evaluate(config: str, model: Input[Model], dataset: Input[Dataset], report: 
     from components.kfp_support import kfp_step
     from components import steps
 
-    manifest = kfp_step(lambda cfg: steps.evaluate(cfg, model.path, dataset.path, report.path), config, report)
+    manifest = kfp_step(lambda cfg: steps.plan_eval(cfg, model.path, dataset.path), config, report)
     for key in ("val_loss", "val_perplexity", "val_tokens"):
         metrics.log_metric(key, manifest["stats"][key])

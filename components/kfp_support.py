@@ -1,25 +1,41 @@
-"""What every KFP component does around its step: parse the config, stamp the artifact, report errors."""
+"""What every KFP component does around its step: parse the config, place the output in the store, report errors."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from configs import Config, UserError
+from components import steps
 
 ERROR_PREFIX = "maxpipe error: "
+GCS_MOUNT = "/gcs/"  # where Vertex AI mounts Cloud Storage (Cloud Storage FUSE) inside every step
 
 
-def kfp_step(run: Callable[[Config], dict[str, Any]], config_json: str, artifact: Any) -> dict[str, Any]:
-    """Run a step inside a KFP component and copy its manifest's identity and stats onto the output artifact."""
+def kfp_step(plan: Callable[[Config], steps.Step], config_json: str, artifact: Any) -> dict[str, Any]:
+    """Run a planned step into the content-addressed store and point the KFP output artifact at it.
+
+    The artifact's URI becomes `{store}/{step}/{version}`: a rerun that plans the same version finds
+    the directory complete and skips the work, under kfp.local, Vertex AI or Kubeflow alike.
+    """
     try:
-        manifest = run(Config.model_validate_json(config_json))
+        cfg = Config.model_validate_json(config_json)
+        step = plan(cfg)
+        artifact.path = str(steps.store_dir(store_root(cfg), step))  # also sets artifact.uri (gs:// for /gcs/)
+        manifest = steps.execute(step, artifact.path)
     except UserError as err:
         # One line the launcher picks out of the component's log and shows the user.
         print(f"{ERROR_PREFIX}{err}", flush=True)
         sys.exit(1)
     artifact.metadata.update(artifact_metadata(manifest))
     return manifest
+
+
+def store_root(cfg: Config) -> str:
+    """The store directory as this process sees it: `pipeline.store`, else `{pipeline.root}/store`."""
+    store = cfg.pipeline.store or f"{cfg.pipeline.root.rstrip('/')}/store"
+    return GCS_MOUNT + store.removeprefix("gs://") if store.startswith("gs://") else str(Path(store).absolute())
 
 
 def artifact_metadata(manifest: dict[str, Any]) -> dict[str, Any]:

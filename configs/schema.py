@@ -105,10 +105,11 @@ class EvalConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    """Where a local run writes, and an optional HF checkpoint to start from."""
+    """Where runs write (pipeline root, artifact store), and an optional HF checkpoint to start from."""
 
     name: str
     root: str
+    store: str
     hf_checkpoint: str
 
 

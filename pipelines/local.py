@@ -27,6 +27,8 @@ def run_local(cfg: Config, verbose: bool = False, log: Log = print) -> dict[str,
     preflight(cfg)
     root = Path(cfg.pipeline.root).absolute()
     root.mkdir(parents=True, exist_ok=True)
+    # Steps run in other processes (and directories): give them absolute paths.
+    cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"root": str(root)})})
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
     pipeline = build_pipeline(cfg)
     # Locally every step runs in this environment, so the images named for the cloud are irrelevant.
