@@ -7,16 +7,20 @@ KFP reads the artifact types from the real annotations.
 """
 
 
-from typing import Optional
+from typing import Callable, Optional
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
 
-# The image the CPU steps run in on Vertex/KFP, built from infra/ (locally the running venv is used).
-IMAGE = "maxpipe-cpu:latest"
+
+def component(func: Callable, image: str) -> Callable:
+    """A KFP lightweight component of one of the step functions below, to run in `image`.
+
+    The image has maxpipe installed (infra/docker); locally kfp.local runs it in this environment.
+    """
+    return dsl.component(func, base_image=image, install_kfp_package=False)
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def prep(config: str, dataset: Output[Dataset]):
     """Tokenize and pack the corpus into ArrayRecord shards."""
     from components.kfp_support import kfp_step
@@ -25,7 +29,6 @@ def prep(config: str, dataset: Output[Dataset]):
     kfp_step(steps.plan_prep, config, dataset)
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def ingest(config: str, hf_checkpoint: str, params: Output[Model]):
     """Convert a HF Llama safetensors checkpoint into Orbax params."""
     from components.kfp_support import kfp_step
@@ -34,7 +37,6 @@ def ingest(config: str, hf_checkpoint: str, params: Output[Model]):
     kfp_step(lambda cfg: steps.plan_ingest(cfg, hf_checkpoint), config, params)
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def train(config: str, dataset: Input[Dataset], checkpoints: Output[Model], init_params: Optional[Input[Model]] = None):
     """Train from random init or from ingested params; full-state checkpoints out."""
     from components.kfp_support import kfp_step
@@ -44,7 +46,6 @@ def train(config: str, dataset: Input[Dataset], checkpoints: Output[Model], init
     kfp_step(lambda cfg: steps.plan_train(cfg, dataset.path, init_dir), config, checkpoints)
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def export(config: str, checkpoints: Input[Model], dataset: Input[Dataset], model: Output[Model]):
     """Param-only Orbax checkpoint and a HF directory from the last training checkpoint."""
     from components.kfp_support import kfp_step
@@ -53,7 +54,6 @@ def export(config: str, checkpoints: Input[Model], dataset: Input[Dataset], mode
     kfp_step(lambda cfg: steps.plan_export(cfg, checkpoints.path, dataset.path), config, model)
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def evaluate(config: str, model: Input[Model], dataset: Input[Dataset], report: Output[Artifact], metrics: Output[Metrics]):
     """Validation loss, perplexity and a generated sample."""
     from components.kfp_support import kfp_step

@@ -113,6 +113,38 @@ class PipelineConfig(_Section):
     hf_checkpoint: str
 
 
+class StepResources(_Section):
+    """What one step asks of Vertex AI / Kubeflow (ignored by local runs)."""
+
+    image: str  # a key of resources.images, or a full image URI
+    cpu: str
+    memory: str
+    accelerator_type: str  # e.g. NVIDIA_H100_80GB, TPU_V5_LITEPOD; "" = none
+    accelerator_count: NonNegInt
+
+    @model_validator(mode="after")
+    def _accelerator_pairs(self) -> "StepResources":
+        if bool(self.accelerator_type) != bool(self.accelerator_count):
+            raise ValueError("accelerator_type and accelerator_count must be set together")
+        return self
+
+
+class ResourcesConfig(_Section):
+    """Images and per-step resources for the compiled pipeline."""
+
+    images: dict[str, str]
+    prep: StepResources
+    ingest: StepResources
+    train: StepResources
+    export: StepResources
+    eval: StepResources
+
+    def image(self, step: str) -> str:
+        """The container image of a step."""
+        name = getattr(self, step).image
+        return self.images.get(name, name)
+
+
 class Config(_Section):
     """The whole resolved config."""
 
@@ -121,6 +153,7 @@ class Config(_Section):
     train: TrainConfig
     eval: EvalConfig
     pipeline: PipelineConfig
+    resources: ResourcesConfig
 
     @model_validator(mode="after")
     def _fits_together(self) -> "Config":

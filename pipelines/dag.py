@@ -1,10 +1,10 @@
 """The pipeline DAG: prep -> [ingest] -> train -> export -> eval, built from a resolved config."""
 
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from kfp import compiler, dsl
-from kfp.dsl import Artifact, Dataset, Metrics, Model
+from kfp.dsl import Artifact, Dataset, Metrics, Model, PipelineTask
 
 from components import kfp_components as ops
 from configs import Config
@@ -21,17 +21,26 @@ class Outputs(NamedTuple):
 def build_pipeline(cfg: Config) -> Callable[[], Outputs]:
     """A KFP pipeline with the config baked in; ingest runs only when a HF checkpoint is given."""
     config = cfg.model_dump_json()
+    res = cfg.resources
+
+    def op(name: str, func: Callable, **inputs: Any) -> PipelineTask:
+        step = getattr(res, name)
+        task = ops.component(func, res.image(name))(config=config, **inputs)
+        task.set_display_name(name).set_cpu_limit(step.cpu).set_memory_limit(step.memory)
+        if step.accelerator_count:
+            task.set_accelerator_type(step.accelerator_type).set_accelerator_limit(step.accelerator_count)
+        return task
 
     @dsl.pipeline(name=cfg.pipeline.name, description="maxpipe: tokenize, train, export and evaluate an LLM")
     def pipeline() -> Outputs:
-        prep = ops.prep(config=config)
+        prep = op("prep", ops.prep)
         init = {}
         if cfg.pipeline.hf_checkpoint:
-            ingest = ops.ingest(config=config, hf_checkpoint=cfg.pipeline.hf_checkpoint)
+            ingest = op("ingest", ops.ingest, hf_checkpoint=cfg.pipeline.hf_checkpoint)
             init = {"init_params": ingest.outputs["params"]}
-        train = ops.train(config=config, dataset=prep.outputs["dataset"], **init)
-        export = ops.export(config=config, checkpoints=train.outputs["checkpoints"], dataset=prep.outputs["dataset"])
-        evaluate = ops.evaluate(config=config, model=export.outputs["model"], dataset=prep.outputs["dataset"])
+        train = op("train", ops.train, dataset=prep.outputs["dataset"], **init)
+        export = op("export", ops.export, checkpoints=train.outputs["checkpoints"], dataset=prep.outputs["dataset"])
+        evaluate = op("eval", ops.evaluate, model=export.outputs["model"], dataset=prep.outputs["dataset"])
         return Outputs(
             prep.outputs["dataset"], train.outputs["checkpoints"], export.outputs["model"],
             evaluate.outputs["report"], evaluate.outputs["metrics"],

@@ -31,8 +31,9 @@ def run_local(cfg: Config, verbose: bool = False, log: Log = print) -> dict[str,
     cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"root": str(root)})})
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
     pipeline = build_pipeline(cfg)
-    # Locally every step runs in this environment, so the images named for the cloud are irrelevant.
+    # Locally every step runs in this environment: the cloud images and resources do not apply.
     warnings.filterwarnings("ignore", message=".*non-Python base image", category=RuntimeWarning)
+    warnings.filterwarnings("ignore", message=".*have no effect in the current local runner", category=UserWarning)
     start = time.perf_counter()
     with _step_logs(verbose) as errors:
         try:

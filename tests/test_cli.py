@@ -83,12 +83,22 @@ def test_compile_writes_a_spec_kfp_loads(tmp_path, capsys):
     from kfp import components
 
     spec = tmp_path / "pipeline.yaml"
-    assert maxpipe(capsys, "compile", "tiny", "pipeline.hf_checkpoint=/data/llama", "-o", str(spec))[0] == 0
+    args = ["pipeline.hf_checkpoint=/data/llama", "resources.images.gpu=eu.gcr.io/p/maxpipe-gpu:v1",
+            "resources.train.accelerator_count=8", "resources.prep.memory=48G"]
+    assert maxpipe(capsys, "compile", "tiny", *args, "-o", str(spec))[0] == 0
     pipeline = components.load_component_from_file(str(spec))
     assert pipeline.name == "maxpipe"
     tasks = yaml.safe_load(spec.read_text())["root"]["dag"]["tasks"]
     assert set(tasks) == {"prep", "ingest", "train", "export", "evaluate"}
     assert tasks["train"]["inputs"]["artifacts"]["init_params"]["taskOutputArtifact"]["producerTask"] == "ingest"
+    executors = yaml.safe_load(spec.read_text())["deploymentSpec"]["executors"]
+    train = executors["exec-train"]["container"]
+    assert train["image"] == "eu.gcr.io/p/maxpipe-gpu:v1"
+    assert train["resources"]["accelerator"]["type"] == "NVIDIA_H100_80GB"
+    assert int(train["resources"]["accelerator"]["count"]) == 8
+    prep = executors["exec-prep"]["container"]
+    assert prep["image"] == "maxpipe-cpu:latest" and prep["resources"]["memoryLimit"] == 48.0
+    assert "accelerator" not in prep["resources"]
 
     assert maxpipe(capsys, "compile", "tiny", "-o", str(spec))[0] == 0  # no checkpoint: no ingest step
     assert "ingest" not in yaml.safe_load(spec.read_text())["root"]["dag"]["tasks"]
