@@ -41,5 +41,5 @@ def store_root(cfg: Config) -> str:
 def artifact_metadata(manifest: dict[str, Any]) -> dict[str, Any]:
     """The manifest's identity and its scalar stats, as KFP/Vertex artifact metadata."""
     scalars = {k: v for k, v in manifest["stats"].items() if isinstance(v, (int, float, str, bool))}
-    return {"version": manifest["version"], "kind": manifest["kind"], "step": manifest["step"],
-            "code_version": manifest["code_version"], **scalars}
+    return {**scalars, "version": manifest["version"], "kind": manifest["kind"], "step": manifest["step"],
+            "code_version": manifest["code_version"]}

@@ -7,6 +7,9 @@
     maxpipe train   [PRESET] [key=value ...] dataset=DIR output=DIR [init=PARAMS_DIR]
     maxpipe export  [PRESET] [key=value ...] src=TRAIN_DIR dataset=DIR output=DIR
     maxpipe eval    [PRESET] [key=value ...] src=EXPORT_DIR dataset=DIR output=DIR
+    maxpipe submit  [PRESET] [key=value ...] --project P --region R --pipeline-root gs://... [...]
+    maxpipe schedule create|list|pause|resume|delete ...
+    maxpipe lineage show REF | list | rebuild ROOT
 """
 
 from __future__ import annotations
@@ -29,11 +32,24 @@ STEP_PATHS = {
 OPTIONAL_PATHS = {"init"}
 
 
+# Commands with options of their own, handed their arguments whole.
+DELEGATED = ("submit", "schedule", "lineage")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `maxpipe` console script."""
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if argv[:1] and argv[0] in ("submit", "schedule"):
+        from pipelines.vertex import vertex_main
+
+        return vertex_main(argv)
+    args = _parser().parse_args(argv)
     try:
+        if args.command == "lineage":
+            from pipelines.lineage import lineage_main
+
+            return lineage_main(args.rest)
         return _dispatch(args)
     except UserError as err:
         if args.debug:
@@ -53,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="maxpipe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show tracebacks and the KFP executor's full logs")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name in DELEGATED:
+        cmd = sub.add_parser(name, help=f"maxpipe {name} (see maxpipe {name} --help)", add_help=False)
+        cmd.add_argument("rest", nargs=argparse.REMAINDER)
     for name in ("run", "compile", *STEP_PATHS):
         cmd = sub.add_parser(name, help=f"maxpipe {name}")
         cmd.add_argument("items", nargs="*", metavar="[PRESET] key=value",

@@ -6,7 +6,8 @@
     maxpipe lineage rebuild ROOT
 
 REF is a version (a unique prefix will do), an artifact directory or a URI. Local runs are indexed in
-`{pipeline root}/lineage.sqlite`, which `rebuild` recreates from the manifests under the root.
+`{pipeline root}/lineage.sqlite`, which `rebuild` recreates from storage alone: the manifests under
+the root and the run records in `{root}/pipeline_runs/`.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="JSON rows")
     rebuild = sub.add_parser("rebuild", help="re-index every manifest under ROOT")
     rebuild.add_argument("root", metavar="ROOT")
+    for command in (show, listing, rebuild):  # `maxpipe lineage ... --debug`: the top-level CLI's flag, accepted here
+        command.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 

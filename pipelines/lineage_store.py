@@ -1,8 +1,10 @@
 """The local lineage store: a SQLite index over manifests with the ML-Metadata shape.
 
 Tables: artifacts, executions, events (INPUT/OUTPUT), contexts (pipeline runs), attributions
-(artifact-context) and associations (execution-context). It holds nothing that the manifest.json
-files under a pipeline root do not: `rebuild` recreates it from them, and `index` is idempotent.
+(artifact-context) and associations (execution-context). It holds nothing that storage does not:
+the artifacts, executions and events come from manifest.json files, the pipeline runs from the run
+records `record_run` writes beside the store (`{root}/pipeline_runs/{run}.json`, as manifests name
+no run: a cached artifact belongs to every run that reused it). `rebuild` recreates it from them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from configs import UserError
 STORE_NAME = "lineage.sqlite"
 EXTERNAL_KINDS = frozenset({"files", "hf_checkpoint"})  # inputs that no step produced: a fingerprint and a uri
 RUN_CONTEXT = "pipeline_run"
+RUNS_DIR = "pipeline_runs"  # {root}/pipeline_runs/{run}.json: the artifacts a run produced or reused
 MANIFEST_KEYS = ("kind", "version", "step", "inputs")
 
 # Stats shown beside a node (dotted paths into manifest stats), and config fields of its summary.
@@ -108,15 +111,6 @@ class LineageView:
 def store_path(root: str | Path) -> Path:
     """Where a pipeline root's lineage store lives."""
     return Path(root) / STORE_NAME
-
-
-def run_name_of(root: str | Path, manifest_dir: str | Path) -> str | None:
-    """The pipeline run an artifact dir belongs to: its first folder under root (kfp.local's run folder)."""
-    try:
-        parts = Path(normalize_uri(str(manifest_dir))).relative_to(normalize_uri(str(root))).parts
-    except ValueError:
-        return None
-    return parts[0] if len(parts) >= 2 else None
 
 
 def normalize_uri(uri: str) -> str:
@@ -221,41 +215,40 @@ class LineageStore:
             return self._index(manifest, normalize_uri(str(manifest_dir)))
 
     def index_upstream(self, manifest_dir: str | Path) -> int:
-        """Index an artifact dir and, recursively, every input dir that holds a manifest; the artifact's id."""
-        pending, done = [str(manifest_dir)], set()
+        """Index an artifact dir and, recursively, the input dirs it names that hold manifests; its id."""
         with self.db:
-            while pending:
-                uri = normalize_uri(pending.pop())
-                manifest = load_manifest(uri) if uri not in done and "://" not in uri else None
-                done.add(uri)
-                if manifest is None:
-                    continue
-                self._index(manifest, uri)
-                pending += [i["uri"] for i in manifest["inputs"] if i["kind"] not in EXTERNAL_KINDS]
-        return self.resolve_id(str(manifest_dir))
+            return self._index_tree(manifest_dir)
 
     def record_run(self, run_name: str, manifest_dirs: builtins.list[str | Path]) -> builtins.list[int]:
-        """Index a pipeline run's output dirs and attribute them (and what they read) to its run context."""
+        """Index a pipeline run's output dirs (and their inputs), put them in its run context, and write
+        the run record `rebuild` reads back; the artifacts' ids."""
+        if not run_name or "/" in run_name or run_name.startswith("."):
+            raise UserError(f"run name {run_name!r}: give a plain name (no '/', not starting with '.')")
         with self.db:
-            context = self._context(run_name)
-            ids = [self._index(self._require(d), normalize_uri(str(d))) for d in manifest_dirs]
-            for artifact_id in ids:
-                self._attribute(context, artifact_id)
+            ids = [self._index_tree(d) for d in manifest_dirs]
+            self._record(run_name, ids)
+        if self.path != ":memory:":
+            path = Path(self.path).parent / RUNS_DIR / f"{run_name}.json"
+            refs = _run_record(path) + [{"kind": a.kind, "version": a.version, "uri": a.uri}
+                                        for a in map(self._artifact, ids)]
+            unique = builtins.list({(r["version"], r["uri"]): r for r in refs}.values())
+            _write_json(path, {"run": run_name, "artifacts": unique})
         return ids
 
     def rebuild(self, root: str | Path) -> int:
-        """Drop everything, index every manifest under root (runs from their folders); the number indexed."""
+        """Drop everything, then index every manifest under root and the runs recorded there; the number indexed."""
         if not Path(root).is_dir():
             raise UserError(f"{root} is not a directory")
         dirs = find_artifact_dirs(root)
+        runs = {path.stem: _run_record(path) for path in sorted((Path(root) / RUNS_DIR).glob("*.json"))}
         with self.db:
             for table in TABLES:
                 self.db.execute(f"DELETE FROM {table}")
-            ids = [self._index(self._require(d), normalize_uri(str(d))) for d in dirs]
-            for directory, artifact_id in zip(dirs, ids):
-                if run := run_name_of(root, directory):
-                    self._attribute(self._context(run), artifact_id)
-        return len(dirs)
+            for directory in dirs:
+                self._index_tree(directory)
+            for run, refs in runs.items():
+                self._record(run, [i for ref in refs if (i := self._recorded(ref)) is not None])
+            return int(self.db.execute("SELECT count(*) FROM artifacts WHERE step IS NOT NULL").fetchone()[0])
 
     # ---- reading -------------------------------------------------------------------------------
 
@@ -353,6 +346,43 @@ class LineageStore:
         if manifest is None:
             raise UserError(f"{directory} is not a complete maxpipe artifact (no valid {MANIFEST})")
         return manifest
+
+    def _index_tree(self, manifest_dir: str | Path) -> int:
+        """Index a dir, then the input dirs it names that hold manifests and are not indexed yet; its id."""
+        first = normalize_uri(str(manifest_dir))
+        manifest = self._require(first)
+        artifact_id = self._index(manifest, first)
+        pending, seen = [manifest], {first}
+        while pending:
+            for ref in pending.pop()["inputs"]:
+                uri = normalize_uri(str(ref["uri"]))
+                if ref["kind"] in EXTERNAL_KINDS or uri in seen or self._is_complete(uri, ref["version"]):
+                    continue
+                seen.add(uri)
+                if (found := load_manifest(uri)) is not None:
+                    self._index(found, uri)
+                    pending.append(found)
+        return artifact_id
+
+    def _is_complete(self, uri: str, version: str) -> bool:
+        """Whether the artifact of this version at uri is indexed from its manifest (not a placeholder)."""
+        row = self.db.execute("SELECT step FROM artifacts WHERE uri = ? AND version = ?", (uri, version)).fetchone()
+        return row is not None and row[0] is not None
+
+    def _record(self, run_name: str, artifact_ids: builtins.list[int]) -> None:
+        context = self._context(run_name)
+        for artifact_id in artifact_ids:
+            self._attribute(context, artifact_id)
+
+    def _recorded(self, ref: dict[str, Any]) -> int | None:
+        """A run record's artifact: indexed from its uri (a store outside root), or by kind and version
+        if the root has moved; None if it is gone."""
+        uri = normalize_uri(ref["uri"])
+        if _holds(uri, ref["version"]) and "://" not in uri:
+            return self._index_tree(uri)
+        row = self.db.execute("SELECT id FROM artifacts WHERE version = ? AND kind = ? AND step IS NOT NULL "
+                              "ORDER BY uri LIMIT 1", (ref["version"], ref["kind"])).fetchone()
+        return int(row[0]) if row else None
 
     def _index(self, manifest: dict[str, Any], uri: str) -> int:
         stats = manifest.get("stats") or {}
@@ -475,6 +505,24 @@ def load_manifest(directory: str | Path) -> dict[str, Any] | None:
     if not isinstance(manifest, dict) or any(k not in manifest for k in MANIFEST_KEYS):
         return None
     return manifest
+
+
+def _run_record(path: Path) -> list[dict[str, Any]]:
+    """The artifacts (kind, version, uri) a run record lists; none if it is missing or unreadable."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    items = record.get("artifacts") if isinstance(record, dict) else None
+    return [a for a in items or [] if isinstance(a, dict) and {"kind", "version", "uri"} <= a.keys()]
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Write atomically (temp file + rename), as manifests are."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
 
 
 def _holds(uri: str, version: str) -> bool:

@@ -14,6 +14,7 @@ from components import artifacts
 from components.kfp_support import ERROR_PREFIX
 from configs import Config, UserError
 from pipelines.dag import build_pipeline
+from pipelines.lineage_store import LineageStore, store_path
 
 Log = Callable[[str], None]
 # Start-up chatter of Beam's worker processes (apitools is only needed for Dataflow), hidden unless --debug.
@@ -42,7 +43,10 @@ def run_local(cfg: Config, verbose: bool = False, log: Log = print) -> dict[str,
             raise UserError(errors[-1] if errors else f"the pipeline failed: {err}") from None
     manifests = {name: artifacts.require_manifest(art.path) for name, art in outputs.items() if name != "metrics"}
     paths = {name: art.path for name, art in outputs.items()}
-    return {"seconds": time.perf_counter() - start, "manifests": manifests, "paths": paths}
+    run_name = Path(paths["metrics"]).relative_to(root).parts[0]  # kfp.local's {pipeline}-{timestamp} folder
+    with LineageStore(store_path(root)) as lineage:
+        lineage.record_run(run_name, [paths[name] for name in manifests])
+    return {"seconds": time.perf_counter() - start, "manifests": manifests, "paths": paths, "run": run_name, "root": str(root)}
 
 
 def preflight(cfg: Config) -> None:
@@ -65,7 +69,7 @@ def summary(result: dict[str, Any]) -> str:
     m, paths = result["manifests"], result["paths"]
     train, ev = m["checkpoints"]["stats"], m["report"]["stats"]
     tokens = m["dataset"]["stats"]["tokens"]
-    lines = [f"maxpipe run finished in {result['seconds'] / 60:.1f} min", ""]
+    lines = [f"maxpipe run {result['run']} finished in {result['seconds'] / 60:.1f} min", ""]
     for name, what in (("dataset", "ArrayRecord shards"), ("checkpoints", "training checkpoints"),
                        ("model", "exported model (Orbax params + hf/)"), ("report", "evaluation")):
         lines.append(f"  {name:<12} {m[name]['version']}  {paths[name]}  ({what})")
@@ -76,6 +80,8 @@ def summary(result: dict[str, Any]) -> str:
         f"after {train['steps']} steps",
         f"  val loss    {ev['val_loss']:.4f}   perplexity {ev['val_perplexity']:.2f}",
         f"  sample      {ev['prompt']!r} -> {ev['sample']!r}",
+        "",
+        f"  lineage     maxpipe lineage show {m['report']['version']} --root {result['root']}",
     ]
     return "\n".join(lines)
 
