@@ -164,7 +164,9 @@ def _state(value: Any) -> str:
 
 
 def _ui(host: str) -> str:
-    return host.rstrip("/")
+    """Where links point: the API host (kfp.Client's own default for the UI), https:// if no scheme given."""
+    host = host.rstrip("/")
+    return host if host.startswith(("http://", "https://")) else f"https://{host}"
 
 
 def _client(host: str, namespace: str | None) -> Any:

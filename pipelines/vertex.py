@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import sys
 import tempfile
 import time
@@ -57,6 +58,7 @@ def submit(
     Returns {"name": resource name, "job_id", "console_url", "state"}.
     """
     _check_pipeline_root(pipeline_root)
+    _check_labels(labels)
     with _vertex(project, region, api_endpoint, credentials, log) as creds:
         job = _pipeline_job(template_path, project, region, pipeline_root, display_name, labels,
                             enable_caching, parameter_values, creds)
@@ -105,6 +107,7 @@ def schedule_create(
     """
     cron = normalize_cron(cron)
     _check_pipeline_root(pipeline_root)
+    _check_labels(labels)
     if max_concurrent_runs < 1:
         raise UserError(f"max concurrent runs must be at least 1 (got {max_concurrent_runs})")
     from google.cloud import aiplatform
@@ -235,6 +238,21 @@ def _check_pipeline_root(pipeline_root: str) -> None:
         raise UserError(f"--pipeline-root must be a gs:// URI for Vertex AI (got {pipeline_root!r})")
 
 
+_LABEL_KEY = re.compile(r"[a-z][\w-]{0,62}")
+_LABEL_VALUE = re.compile(r"[\w-]{0,63}")
+
+
+def _check_labels(labels: dict[str, str] | None) -> None:
+    """Google Cloud's label rules (the SDK checks only that they are strings; the server would refuse)."""
+    for key, value in (labels or {}).items():
+        if not (_LABEL_KEY.fullmatch(key) and key == key.lower()):
+            raise UserError(f"label key {key!r}: use 1-63 lowercase letters, digits, '_' or '-', starting with a letter")
+        if not (_LABEL_VALUE.fullmatch(value) and value == value.lower()):
+            raise UserError(f"label {key}={value!r}: values are up to 63 lowercase letters, digits, '_' or '-'")
+    if len(labels or {}) > 64:
+        raise UserError(f"at most 64 labels (got {len(labels)})")
+
+
 def _pipeline_job(template_path: str, project: str, region: str, pipeline_root: str, display_name: str,
                   labels: dict[str, str] | None, enable_caching: bool | None,
                   parameter_values: dict[str, Any] | None, creds: Any) -> Any:
@@ -244,7 +262,8 @@ def _pipeline_job(template_path: str, project: str, region: str, pipeline_root: 
 
     try:
         return aiplatform.PipelineJob(
-            display_name=display_name, template_path=template_path, pipeline_root=pipeline_root,
+            display_name=display_name, template_path=template_path, job_id=_job_id(display_name),
+            pipeline_root=pipeline_root,
             parameter_values=parameter_values, enable_caching=enable_caching, labels=labels or None,
             credentials=creds, project=project, location=region,
         )
@@ -252,6 +271,14 @@ def _pipeline_job(template_path: str, project: str, region: str, pipeline_root: 
         raise UserError(f"pipeline spec not found: {template_path}") from None
     except ValueError as err:  # bad labels, display name, region or parameter names
         raise UserError(f"cannot prepare the Vertex AI pipeline run: {_one_line(str(err))}") from None
+
+
+def _job_id(display_name: str) -> str:
+    """`NAME-YYYYMMDD-HHMMSS-XXXX`: the SDK's default (pipeline name + time to the second) collides
+    when two runs are submitted within a second; the random suffix keeps ids unique."""
+    slug = re.sub(r"[^a-z0-9]+", "-", display_name.lower()).strip("-")[:80] or "run"
+    slug = slug if slug[0].isalpha() else f"run-{slug}"
+    return f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def _job_info(job: Any, project: str, region: str) -> dict[str, Any]:
@@ -280,8 +307,13 @@ def _vertex(project: str, region: str, api_endpoint: str | None, credentials: An
     """
     if not project or not region:
         raise UserError("Vertex AI needs a project and a region (--project, --region)")
-    from google.cloud.aiplatform import initializer
+    from google.cloud.aiplatform import initializer, utils
 
+    try:
+        utils.validate_region(region)
+    except ValueError:
+        raise UserError(f"unknown Vertex AI region {region!r} (e.g. us-central1, europe-west4; "
+                        "https://cloud.google.com/vertex-ai/docs/general/locations)") from None
     if credentials is None and (api_endpoint or "").startswith("http://"):
         # Plain HTTP is only for a local stand-in of the API: never send a bearer token over it.
         from google.auth.credentials import AnonymousCredentials
@@ -405,8 +437,7 @@ def _vertex_main(argv: list[str]) -> int:
     elif argv[:1] == ["schedule"] and argv[1:2] and argv[1] in ("create", "list", "pause", "resume", "delete"):
         command, rest = f"schedule {argv[1]}", argv[2:]
     else:
-        _parser("schedule").print_usage(sys.stderr)
-        raise UserError("expected `submit` or `schedule create|list|pause|resume|delete`")
+        raise UserError("expected `submit ...` or `schedule create|list|pause|resume|delete ...`")
     args = _parser(command).parse_intermixed_args(rest)
     kfp = args.target == "kfp"
     if kfp and not args.host:
