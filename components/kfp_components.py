@@ -38,12 +38,17 @@ def ingest(config: str, hf_checkpoint: str, params: Output[Model]):
 
 
 def train(config: str, dataset: Input[Dataset], checkpoints: Output[Model], init_params: Optional[Input[Model]] = None):
-    """Train from random init or from ingested params; full-state checkpoints out."""
-    from components.kfp_support import kfp_step
+    """Train from random init, ingested params or the latest export; full-state checkpoints out."""
+    from components.kfp_support import kfp_step, store_root
     from components import steps
 
-    init_dir = init_params.path if init_params is not None else None
-    kfp_step(lambda cfg: steps.plan_train(cfg, dataset.path, init_dir), config, checkpoints)
+    def plan(cfg):
+        init = init_params.path if init_params is not None else None
+        if cfg.train.continue_from == "latest_export":
+            init = steps.latest_export(store_root(cfg), cfg, dataset.path) or init
+        return steps.plan_train(cfg, dataset.path, init)
+
+    kfp_step(plan, config, checkpoints)
 
 
 def export(config: str, checkpoints: Input[Model], dataset: Input[Dataset], model: Output[Model]):

@@ -165,6 +165,23 @@ def evaluate(cfg: Config, model_dir: str | Path, dataset_dir: str | Path, out_di
     return execute(plan_eval(cfg, model_dir, dataset_dir, log), out_dir, log)
 
 
+def latest_export(store: str | Path, cfg: Config, dataset_dir: str | Path) -> Path | None:
+    """The newest complete export in the store of this model config that was trained on another dataset.
+
+    Scheduled retraining continues from it: new data trains on from the last model, while a rerun
+    on unchanged data picks the same starting point as before, so its train step is a cache hit.
+    """
+    dataset = artifacts.require_manifest(dataset_dir)["version"]
+    model = cfg.model.model_dump()
+    candidates = []
+    for path in (Path(store) / "export").glob(f"*/{artifacts.MANIFEST}"):
+        export = json.loads(path.read_text())
+        trained = artifacts.read_manifest(export["inputs"][0]["uri"])
+        if export["config"]["model"] == model and trained and trained["inputs"][0]["version"] != dataset:
+            candidates.append((export["created"], export["version"], path.parent))
+    return max(candidates)[2] if candidates else None
+
+
 def tokenizer_source(cfg: Config) -> str:
     """The configured tokenizer; a run that starts from a HF checkpoint uses that checkpoint's tokenizer."""
     return cfg.data.tokenizer or cfg.pipeline.hf_checkpoint

@@ -80,6 +80,7 @@ class TrainConfig(_Section):
     keep_checkpoints: PosInt
     log_every: PosInt
     mesh: dict[Literal["data", "fsdp", "tensor"], int]
+    continue_from: Literal["", "latest_export"]
 
     @model_validator(mode="after")
     def _schedule_fits(self) -> "TrainConfig":

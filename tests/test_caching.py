@@ -73,3 +73,20 @@ def test_a_crashed_step_is_redone_not_reused(first):
     assert after["manifests"]["report"]["created"] >= before["manifests"]["report"]["created"]
     assert (report / "metrics.json").read_text() != "half-written"
     assert after["manifests"]["checkpoints"] == before["manifests"]["checkpoints"]
+
+
+def test_scheduled_retraining_continues_from_the_last_model_only_on_new_data(first, tmp_path):
+    """With train.continue_from=latest_export: unchanged data is a cache hit, new data trains on from the last export."""
+    corpus, overrides, _ = first
+    retrain = [*overrides, f"pipeline.root={tmp_path / 'runs'}", "train.continue_from=latest_export"]
+    one = run_local(load_config("tiny", retrain))
+    assert [i["kind"] for i in one["manifests"]["checkpoints"]["inputs"]] == ["dataset"]  # nothing to continue from
+    assert run_local(load_config("tiny", retrain))["manifests"] == one["manifests"]  # the weekly run, no new data
+
+    grown = tmp_path / "grown"
+    shutil.copytree(corpus, grown)
+    (grown / "fresh.py").write_text("def fresh():\n    return 'this week'\n" * 40)
+    two = run_local(load_config("tiny", [*retrain, f"data.input={grown}/*.py"]))
+    start = two["manifests"]["checkpoints"]["inputs"][1]
+    assert (start["kind"], start["version"]) == ("exported_model", one["manifests"]["model"]["version"])
+    assert run_local(load_config("tiny", [*retrain, f"data.input={grown}/*.py"]))["manifests"] == two["manifests"]
