@@ -43,23 +43,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] and argv[0] in ("submit", "schedule"):
         from pipelines.vertex import vertex_main
 
-        return vertex_main(argv)
-    args = _parser().parse_args(argv)
+        return vertex_main(argv)  # prints its own one-line errors
+    debug = "--debug" in argv
     try:
-        if args.command == "lineage":
+        if argv[:1] == ["lineage"]:
             from pipelines.lineage import lineage_main
 
-            return lineage_main(args.rest)
+            return lineage_main([a for a in argv[1:] if a != "--debug"])
+        args = _parser().parse_args(argv)
         return _dispatch(args)
     except UserError as err:
-        if args.debug:
+        if debug:
             raise
         print(f"error: {err}", file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 - anything unexpected is still one line without --debug
-        if args.debug:
+        if debug:
             raise
         print(f"error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", file=sys.stderr)
     return 1
