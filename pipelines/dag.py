@@ -27,6 +27,9 @@ def build_pipeline(cfg: Config) -> Callable[[], Outputs]:
         step = getattr(res, name)
         task = ops.component(func, res.image(name))(config=config, **inputs)
         task.set_display_name(name).set_cpu_limit(step.cpu).set_memory_limit(step.memory)
+        # The runner's own cache keys on a task's inputs and image tag, not on the data files a run
+        # fingerprints or the code inside the image: our store (components.steps) decides what to reuse.
+        task.set_caching_options(False)
         if step.accelerator_count:
             task.set_accelerator_type(step.accelerator_type).set_accelerator_limit(step.accelerator_count)
         return task
