@@ -194,6 +194,12 @@ class Encoder:
             return [e.ids for e in encode(texts)]
         return self._sp.encode(texts)
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids, special tokens included as text so document boundaries stay visible."""
+        if self._hf is not None:
+            return self._hf.decode(ids, skip_special_tokens=False)
+        return self._sp.decode(ids)
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """int32 ids per text: [BOS] + tokenizer ids + [EOS], each special only if the tokenizer does not add it."""
         head = [self.info.bos_id] if self.info.prepend_bos else []

@@ -10,6 +10,7 @@
     maxpipe submit  [PRESET] [key=value ...] --project P --region R --pipeline-root gs://... [...]
     maxpipe schedule create|list|pause|resume|delete ...
     maxpipe lineage show REF | list | rebuild ROOT
+    maxpipe data inspect DATASET_DIR
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ OPTIONAL_PATHS = {"init"}
 
 
 # Commands with options of their own, handed their arguments whole.
-DELEGATED = ("submit", "schedule", "lineage")
+DELEGATED = ("submit", "schedule", "lineage", "data")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pipelines.lineage import lineage_main
 
             return lineage_main([a for a in argv[1:] if a != "--debug"])
+        if argv[:1] == ["data"]:
+            return _data(argv[1:])
         args = _parser().parse_args(argv)
         return _dispatch(args)
     except UserError as err:
@@ -81,6 +84,19 @@ def _parser() -> argparse.ArgumentParser:
         if name == "compile":
             cmd.add_argument("-o", "--output", default="pipeline.yaml", help="where to write the pipeline spec")
     return parser
+
+
+def _data(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="maxpipe data", description="Look inside a prepared dataset.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspect = sub.add_parser("inspect", help="statistics, document lengths and decoded samples of a dataset")
+    inspect.add_argument("directory")
+    inspect.add_argument("--samples", type=int, default=2, help="decoded validation sequences to show")
+    args = parser.parse_args([a for a in argv if a != "--debug"])
+    from data_prep.inspect import inspect_dataset
+
+    print(inspect_dataset(args.directory, samples=args.samples))
+    return 0
 
 
 def _dispatch(args: argparse.Namespace) -> int:

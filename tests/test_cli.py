@@ -36,6 +36,11 @@ def test_steps_one_by_one_with_cache(corpus, tmp_path, capsys):
     assert code == 0 and "prep:" in out
     version = json.loads((data / MANIFEST).read_text())["version"]
 
+    code, out, _ = maxpipe(capsys, "data", "inspect", str(data))
+    stats = json.loads((data / MANIFEST).read_text())["stats"]
+    assert code == 0 and f"{stats['tokens']['train']:,} tokens" in out and "document length" in out
+    assert "val sequence 0:" in out
+
     code, out, _ = maxpipe(capsys, "prep", *common, f"output={data}")  # same inputs and config: a cache hit
     assert code == 0 and "cache hit" in out and version in out
 
@@ -44,6 +49,8 @@ def test_steps_one_by_one_with_cache(corpus, tmp_path, capsys):
     assert json.loads((data / MANIFEST).read_text())["version"] == version
 
     assert maxpipe(capsys, "train", *common, "steps=4", f"dataset={data}", f"output={run}")[0] == 0
+    code, _, err = maxpipe(capsys, "data", "inspect", str(run))
+    assert code == 1 and "not a dataset" in one_error_line(err)
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
     assert maxpipe(capsys, "export", *common, "steps=4", f"src={run}", f"dataset={data}", f"output={export}")[0] == 0
