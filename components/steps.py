@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from configs import Config
+from configs import Config, UserError
 from components import artifacts
 
 Log = Callable[[str], None]
@@ -115,6 +115,9 @@ def plan_eval(cfg: Config, model_dir: str | Path, dataset_dir: str | Path, log: 
 
 def execute(step: Step, out_dir: str | Path, log: Log = print) -> dict[str, Any]:
     """Run a step into out_dir and publish its manifest, or return the manifest already there (cache hit)."""
+    if "://" in str(out_dir):
+        # The manifest layer (components.artifacts) works on local and mounted paths (/gcs/... on Vertex).
+        raise UserError(f"output {out_dir}: give a local or mounted path (e.g. /gcs/BUCKET/...), not a URL")
     out = Path(out_dir)
     version = step.version
     cached = artifacts.prepare_output(out, version, keep_partial=step.keep_partial)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from apache_beam.metrics.metric import Metrics, MetricsFilter
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
 from configs import DataConfig
+from data_prep import storage
 from data_prep.pack import DTYPE, pack, shard_name, write_shard
 from data_prep.sources import read_documents
 from data_prep.tokenizer import Encoder
@@ -27,6 +29,11 @@ _HASH_BITS = 56  # two 56-bit keys from a document's sha256: one picks the split
 def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     """DirectRunner on all cores by default; `beam_args` come last and win."""
     return PipelineOptions([*DEFAULT_ARGS, *beam_args])
+
+
+def is_direct(options: PipelineOptions) -> bool:
+    """True for the DirectRunner (this machine), False for Dataflow and other remote runners."""
+    return (options.view_as(StandardOptions).runner or "DirectRunner").endswith("DirectRunner")
 
 
 def runs_in_worker_processes(options: PipelineOptions) -> bool:
@@ -68,7 +75,16 @@ class TokenizeFn(beam.DoFn):
         self.tokenizer_dir = tokenizer_dir
 
     def setup(self):
-        self.encoder = Encoder(self.tokenizer_dir)
+        if storage.is_url(self.tokenizer_dir):  # the staged tokenizer, copied to this worker's disk
+            self._local = tempfile.TemporaryDirectory(prefix="maxpipe-tokenizer-")
+            storage.download_dir(self.tokenizer_dir, self._local.name)
+            self.encoder = Encoder(self._local.name)
+        else:
+            self.encoder = Encoder(self.tokenizer_dir)
+
+    def teardown(self):
+        if hasattr(self, "_local"):
+            self._local.cleanup()
 
     def process(self, batch: list[tuple]):
         for doc, ids in zip(batch, self.encoder.encode_batch([doc[-1] for doc in batch])):
@@ -89,7 +105,10 @@ def _assign(doc: tuple, smallest: list[int], threshold: int, train_shards: int, 
 
 
 class WriteShardFn(beam.DoFn):
-    """(shard name, documents) -> one ArrayRecord file: documents ordered by (path, line), packed."""
+    """(shard name, documents) -> one ArrayRecord file: documents ordered by (path, line), packed.
+
+    For a URL out_dir the shard is written to a local temp file on the worker, then uploaded:
+    ArrayRecordWriter takes only local paths, and workers share no disk with the launcher."""
 
     def __init__(self, out_dir: str, seq_len: int):
         self.out_dir, self.seq_len = out_dir, seq_len
@@ -98,7 +117,12 @@ class WriteShardFn(beam.DoFn):
         name, docs = element
         docs = sorted(docs, key=lambda doc: doc[0])
         rows = pack([np.frombuffer(ids, DTYPE) for _, ids in docs], self.seq_len)
-        write_shard(os.path.join(self.out_dir, name), rows)
+        if storage.is_url(self.out_dir):
+            with tempfile.TemporaryDirectory(prefix="maxpipe-shard-") as tmp:
+                write_shard(os.path.join(tmp, name), rows)
+                storage.upload(os.path.join(tmp, name), storage.join(self.out_dir, name))
+        else:
+            write_shard(os.path.join(self.out_dir, name), rows)
         yield name
 
 
@@ -124,7 +148,9 @@ def shard_names(cfg: DataConfig) -> list[str]:
     ]
 
 
-def run(files: list[Path], cfg: DataConfig, tokenizer_dir: Path, out_dir: Path, options: PipelineOptions) -> dict[str, int]:
+def run(
+    files: list[Path | str], cfg: DataConfig, tokenizer_dir: Path | str, out_dir: Path | str, options: PipelineOptions
+) -> dict[str, int]:
     """Run the graph, writing every shard of `shard_names(cfg)` into out_dir; returns its counters."""
     threshold = int(cfg.val_fraction * 2**_HASH_BITS)
     p = beam.Pipeline(runner=_direct_runner(options), options=options)

@@ -6,12 +6,13 @@ import contextlib
 import hashlib
 import itertools
 import os
-import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from configs import DataConfig, UserError
+from data_prep import storage
 from data_prep import tokenizer as tokenizers_
 from data_prep.pack import PAD, read_shard
 from data_prep.sources import fingerprint, read_documents, relative_names, resolve_inputs
@@ -24,26 +25,31 @@ STAGING = ".prep-staging"  # everything is written here first and moved into pla
 def prepare(cfg: DataConfig, vocab_size: int, out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
     """Tokenize and pack cfg.input into out_dir (shards + tokenizer/); returns JSON-serialisable stats."""
     start = time.time()
-    if "://" in str(out_dir):
-        raise UserError(f"prep writes to local or mounted paths only, not {out_dir} (on Vertex use /gcs/BUCKET/...)")
-    out = Path(out_dir)
+    remote = storage.is_url(out_dir)
+    out = str(out_dir).rstrip("/") if remote else Path(out_dir)
     files = resolve_inputs(cfg.input)
-    size = sum(f.stat().st_size for f in files)
+    size = sum(storage.size(f) for f in files)
     digest = fingerprint(files)
     log(f"[prep] {len(files):,} input files, {_mb(size)} (fingerprint {digest[:12]})")
 
-    out.mkdir(parents=True, exist_ok=True)
-    staging = out / STAGING
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    storage.makedirs(out)
+    staging = storage.join(out, STAGING)
+    storage.remove(staging)
+    storage.makedirs(staging)
     try:
-        info, source = _tokenizer(cfg, vocab_size, files, staging / "tokenizer", log)
-        counters = _run_beam(files, cfg, staging, log)
-        stats = _stats(cfg, staging, info, source, files, size, digest, counters)
-        _check(stats, len(files), source)
-        _publish(staging, out, [s["name"] for s in stats["shards"]])
+        with tempfile.TemporaryDirectory(prefix="maxpipe-prep-") as tmp:
+            # Tokenizers load local files: for a URL destination the tokenizer is installed here and staged
+            # next to the shards, where the Beam workers fetch it.
+            tok_local = Path(tmp, "tokenizer") if remote else staging / "tokenizer"
+            info, source = _tokenizer(cfg, vocab_size, files, tok_local, log)
+            if remote:
+                storage.upload_dir(tok_local, storage.join(staging, "tokenizer"))
+            counters = _run_beam(files, cfg, staging, remote, log)
+            stats = _stats(cfg, staging, tok_local, info, source, files, size, digest, counters)
+            _check(stats, len(files), source)
+            storage.publish(staging, out, [s["name"] for s in stats["shards"]], ["tokenizer"])
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        storage.remove(staging)
 
     for shard in stats["shards"]:
         log(f"[prep] {shard['name']}: {shard['sequences']:,} sequences, {shard['tokens']:,} tokens, {_mb(shard['bytes'])}")
@@ -58,7 +64,7 @@ def prepare(cfg: DataConfig, vocab_size: int, out_dir: str | Path, log: Callable
 
 
 def _tokenizer(
-    cfg: DataConfig, vocab_size: int, files: list[Path], folder: Path, log: Callable[[str], None]
+    cfg: DataConfig, vocab_size: int, files: list[Path | str], folder: Path, log: Callable[[str], None]
 ) -> tuple[tokenizers_.TokenizerInfo, str]:
     """Install cfg.tokenizer in canonical form, or train a byte-level BPE on a sample of the corpus."""
     if cfg.tokenizer:
@@ -82,7 +88,7 @@ def _tokenizer(
     return info, "trained:byte-level-bpe"
 
 
-def _bpe_sample(files: list[Path], text_field: str, max_bytes: int, seen: dict) -> Iterator[str]:
+def _bpe_sample(files: list[Path | str], text_field: str, max_bytes: int, seen: dict) -> Iterator[str]:
     """At most max_bytes of documents, files in a fixed pseudo-random order (by hash of their name)."""
     order = sorted(zip((hashlib.sha256(n.encode()).hexdigest() for n in relative_names(files)), files))
     for _, path in order:
@@ -98,10 +104,16 @@ def _bpe_sample(files: list[Path], text_field: str, max_bytes: int, seen: dict) 
                 return
 
 
-def _run_beam(files: list[Path], cfg: DataConfig, staging: Path, log: Callable[[str], None]) -> dict[str, int]:
+def _run_beam(
+    files: list[Path | str], cfg: DataConfig, staging: Path | str, remote: bool, log: Callable[[str], None]
+) -> dict[str, int]:
     from data_prep import pipeline  # Beam is imported only when a pipeline runs
 
     options = pipeline.pipeline_options(cfg.beam_args)
+    if not pipeline.is_direct(options) and not (remote and all(storage.is_url(f) for f in files)):
+        raise UserError(
+            f"the {pipeline.describe(options)} runs on machines without this one's disk: give inputs and output as URLs (gs://...)"
+        )
     separate = pipeline.runs_in_worker_processes(options)
     log(f"[prep] Beam ({pipeline.describe(options)}): read, tokenize, split, pack, write")
     began = time.time()
@@ -110,7 +122,7 @@ def _run_beam(files: list[Path], cfg: DataConfig, staging: Path, log: Callable[[
     # parallelism was used (BPE training above). An explicit user setting wins.
     env = {"TOKENIZERS_PARALLELISM": "false"} if separate and "TOKENIZERS_PARALLELISM" not in os.environ else {}
     with _environ(env):
-        counters = pipeline.run(files, cfg, staging / "tokenizer", staging, options)
+        counters = pipeline.run(files, cfg, storage.join(staging, "tokenizer"), staging, options)
     log(f"[prep] Beam finished in {time.time() - began:.1f}s")
     return counters
 
@@ -129,29 +141,23 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _stats(
-    cfg: DataConfig, staging: Path, info: tokenizers_.TokenizerInfo, source: str, files: list[Path], size: int,
-    digest: str, counters: dict[str, int],
+    cfg: DataConfig, staging: Path | str, tokenizer_dir: Path, info: tokenizers_.TokenizerInfo, source: str,
+    files: list[Path | str], size: int, digest: str, counters: dict[str, int],
 ) -> dict:
     from data_prep.pipeline import shard_names
 
     shards = []
     for name in shard_names(cfg):
-        rows = read_shard(staging / name)
+        with storage.download_to_temp(storage.join(staging, name)) as local:  # ArrayRecordReader reads local files
+            rows = read_shard(local)
+            nbytes, sha = local.stat().st_size, storage.sha256(local)
         tokens = int((rows != PAD).sum())
         shards.append({
             "name": name, "split": name.split("-")[0], "sequences": len(rows), "tokens": tokens,
-            "padding_tokens": int(rows.size) - tokens, "bytes": (staging / name).stat().st_size, "sha256": _sha256(staging / name),
+            "padding_tokens": int(rows.size) - tokens, "bytes": nbytes, "sha256": sha,
         })
-    tok_file = staging / "tokenizer" / (tokenizers_.HF_FILE if info.kind == "hf" else tokenizers_.SP_FILE)
+    tok_file = tokenizer_dir / (tokenizers_.HF_FILE if info.kind == "hf" else tokenizers_.SP_FILE)
     per_split = lambda key: {s: sum(x[key] for x in shards if x["split"] == s) for s in ("train", "val")}  # noqa: E731
     return {
         "documents": {s: counters.get(f"documents.{s}", 0) for s in ("train", "val")},
@@ -162,7 +168,7 @@ def _stats(
         "record_format": {"dtype": "int32le", "pad": PAD},
         "shards": shards,
         "tokenizer": {
-            "kind": info.kind, "source": source, "sha256": _sha256(tok_file), "vocab_size": info.vocab_size,
+            "kind": info.kind, "source": source, "sha256": storage.sha256(tok_file), "vocab_size": info.vocab_size,
             "eos_id": info.eos_id, "bos_id": info.bos_id,
         },
         "input": {"patterns": list(cfg.input), "files": len(files), "bytes": size, "fingerprint": digest},
@@ -179,16 +185,6 @@ def _check(stats: dict, n_files: int, source: str) -> None:
         raise UserError(f"empty corpus: no usable documents in {n_files} input files (skipped: {skipped or 'none'})")
     if not stats["tokens"]["train"]:
         raise UserError(f"the train split is empty: the corpus has only {sum(docs.values())} document(s), all held out for val")
-
-
-def _publish(staging: Path, out: Path, names: list[str]) -> None:
-    """Move the staged shards and tokenizer into out, replacing any earlier run's."""
-    for old in [*out.glob("train-*.array_record"), *out.glob("val-*.array_record")]:
-        old.unlink()
-    for name in names:
-        os.replace(staging / name, out / name)
-    shutil.rmtree(out / "tokenizer", ignore_errors=True)
-    os.replace(staging / "tokenizer", out / "tokenizer")
 
 
 def _mb(n: int) -> str:

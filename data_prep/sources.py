@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -11,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from configs import UserError
+from data_prep import storage
 
 STDLIB = "stdlib"
 _SKIP_DIRS = {"site-packages", "dist-packages"}
@@ -22,36 +22,39 @@ def stdlib_files() -> list[Path]:
     return [p for p in root.rglob("*.py") if _SKIP_DIRS.isdisjoint(p.relative_to(root).parts) and p.is_file()]
 
 
-def resolve_inputs(patterns: list[str]) -> list[Path]:
-    """Expand globs ("stdlib" = the standard library's .py files) into sorted, deduplicated files."""
-    files: set[Path] = set()
+def resolve_inputs(patterns: list[str]) -> list[Path | str]:
+    """Expand globs into sorted, deduplicated files: local paths (resolved Paths), or fsspec URLs
+    (`gs://bucket/dir/*.jsonl`, `file:///...`, kept as URL strings). "stdlib" = the standard library's .py files."""
+    files: set[Path | str] = set()
     for pattern in patterns:
         if pattern == STDLIB:
             matched = stdlib_files()
         else:
-            matched = [Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True)]
-            matched = [p for p in matched if p.is_file()]
+            try:
+                matched = storage.glob(pattern)
+            except Exception as e:  # an unreachable bucket, missing credentials, an unknown protocol
+                raise UserError(f"no input files match {pattern!r}: cannot list it ({type(e).__name__}: {e})") from e
         if not matched:
-            hint = " (only local paths are read; mount buckets with Cloud Storage FUSE)" if "://" in pattern else ""
-            raise UserError(f"no input files match {pattern!r}{hint}")
-        files.update(p.resolve() for p in matched)
+            raise UserError(f"no input files match {pattern!r}")
+        files.update(p if storage.is_url(p) else Path(p).resolve() for p in matched)
     return sorted(files, key=str)
 
 
-def relative_names(files: list[Path]) -> list[str]:
+def relative_names(files: list[Path | str]) -> list[str]:
     """Names relative to the files' common folder, so a moved corpus keeps its fingerprint."""
     if not files:
         return []
-    root = os.path.commonpath([str(f.parent) for f in files])
-    return [os.path.relpath(f, root) for f in files]
+    keys = [storage.key(f) for f in files]
+    root = os.path.commonpath([os.path.dirname(k) for k in keys])
+    return [os.path.relpath(k, root) for k in keys]
 
 
-def fingerprint(files: list[Path]) -> str:
+def fingerprint(files: list[Path | str]) -> str:
     """sha256 over each file's relative name, size and content, streamed."""
     digest = hashlib.sha256()
     for name, path in zip(relative_names(files), files):
-        digest.update(name.encode() + b"\0" + path.stat().st_size.to_bytes(8, "little"))
-        with open(path, "rb") as f:
+        digest.update(name.encode() + b"\0" + storage.size(path).to_bytes(8, "little"))
+        with storage.open(path, "rb") as f:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
     return digest.hexdigest()
@@ -63,7 +66,8 @@ def read_documents(path: str | Path, text_field: str, skip: Callable[[str], None
     Unreadable or non-UTF-8 input, bad JSON lines and empty documents are reported through `skip(reason)`.
     """
     try:
-        data = Path(path).read_bytes()
+        with storage.open(path, "rb") as f:
+            data = f.read()
     except OSError:
         skip("unreadable_file")
         return

@@ -32,7 +32,7 @@ def test_globs_are_sorted_and_deduplicated(tmp_path):
     assert files == [tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "sub" / "c.jsonl"]
 
 
-@pytest.mark.parametrize("pattern", ["missing/*.txt", "gs://bucket/*.txt"])
+@pytest.mark.parametrize("pattern", ["missing/*.txt", "memory://no-bucket/*.txt"])
 def test_unmatched_pattern_is_a_user_error(tmp_path, pattern):
     (tmp_path / "a.txt").write_text("x")
     with pytest.raises(UserError, match="no input files match"):
