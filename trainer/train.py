@@ -30,6 +30,14 @@ def sequence_length(paths: list[str]) -> int:
     return len(ArrayRecordDataSource(paths[:1])[0]) // 4
 
 
+def param_layout(model: Transformer, seq_len: int, mesh: jax.sharding.Mesh) -> Any:
+    """Shapes, dtypes and mesh shardings of the params, without allocating them."""
+    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))["params"]
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), logical_shardings(boxed, mesh)
+    )
+
+
 def init_params(model: Transformer, seq_len: int, seed: int, mesh: jax.sharding.Mesh) -> Any:
     """Randomly initialised params, created directly in their sharded layout."""
     tokens = jnp.zeros((1, seq_len), jnp.int32)
@@ -86,10 +94,11 @@ def train(
         raise UserError(f"the dataset's sequences ({seq_len} tokens) exceed model.max_seq_len ({model_cfg.max_seq_len})")
 
     model, tx = Transformer(model_cfg), make_optimizer(train_cfg)
-    params = init_params(model, seq_len, train_cfg.seed, mesh)
     if init_params_dir:
-        params = checkpoint.load_params(init_params_dir, _abstract(params))
+        params = checkpoint.load_params(init_params_dir, param_layout(model, seq_len, mesh))
         log(f"initialised from {init_params_dir}")
+    else:
+        params = init_params(model, seq_len, train_cfg.seed, mesh)
     opt_state = init_opt_state(tx, params, mesh)
     log(f"model {model_cfg.name}: {param_count(params):,} parameters; mesh {dict(mesh.shape)} over {mesh.size} devices")
 
