@@ -17,8 +17,9 @@ from pipelines.dag import build_pipeline
 from pipelines.lineage_store import LineageStore, store_path
 
 Log = Callable[[str], None]
-# Start-up chatter of Beam's worker processes (apitools is only needed for Dataflow), hidden unless --debug.
-NOISE = ("apitools not found", "Logging handler created")
+# Chatter of Beam's worker processes (apitools is only needed for Dataflow), hidden unless --debug.
+# FnApiRunner's workers log at INFO whatever --default_sdk_harness_log_level says.
+NOISE = ("apitools not found", "Logging handler created", "INFO:apache_beam.")
 
 
 def run_local(cfg: Config, verbose: bool = False, log: Log = print) -> dict[str, Any]:
