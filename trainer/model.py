@@ -25,6 +25,14 @@ from configs import ModelConfig
 
 Array = jax.Array
 
+# What the backward pass keeps from the forward pass of each layer (the rest is recomputed):
+# none = everything, minimal = the matmul outputs, full = only the layer's input.
+REMAT_POLICIES = {
+    "none": None,
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
 
 def _dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
@@ -143,6 +151,7 @@ class Transformer(nn.Module):
     """Decoder-only LM: tokens [batch, seq] -> float32 logits [batch, seq, vocab]."""
 
     cfg: ModelConfig
+    remat: str = "none"  # a key of REMAT_POLICIES
 
     @nn.compact
     def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
@@ -155,8 +164,11 @@ class Transformer(nn.Module):
             embedding_init=_init(cfg, ("vocab", "embed")), name="embed",
         )
         x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
+        block = Block
+        if self.remat != "none":
+            block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         layers = nn.scan(
-            Block, variable_axes={"params": 0}, split_rngs={"params": True},
+            block, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
