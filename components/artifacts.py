@@ -22,6 +22,15 @@ from configs import UserError
 MANIFEST = "manifest.json"
 
 
+GCS_MOUNT = "/gcs/"  # where Vertex AI mounts Cloud Storage (Cloud Storage FUSE) inside every step and job
+
+
+def mounted_url(path: str | Path) -> str:
+    """The gs:// URL of a path under the Cloud Storage mount; other paths unchanged."""
+    path = str(path)
+    return "gs://" + path.removeprefix(GCS_MOUNT) if path.startswith(GCS_MOUNT) else path
+
+
 @cache
 def code_version(*packages: str) -> str:
     """A short hash of the Python sources of our packages: a code change gives a new version."""

@@ -39,16 +39,38 @@ def ingest(config: str, hf_checkpoint: str, params: Output[Model]):
 
 def train(config: str, dataset: Input[Dataset], checkpoints: Output[Model], init_params: Optional[Input[Model]] = None):
     """Train from random init, ingested params or the latest export; full-state checkpoints out."""
-    from components.kfp_support import kfp_step, store_root
+    from components.kfp_support import kfp_step, train_init
     from components import steps
 
     def plan(cfg):
-        init = init_params.path if init_params is not None else None
-        if cfg.train.continue_from == "latest_export":
-            init = steps.latest_export(store_root(cfg), cfg, dataset.path) or init
+        init = train_init(cfg, dataset.path, init_params.path if init_params is not None else None)
         return steps.plan_train(cfg, dataset.path, init)
 
     kfp_step(plan, config, checkpoints)
+
+
+def train_job(
+    config: str, project: str, location: str, service_account: str, network: str,
+    dataset: Input[Dataset], checkpoints: Output[Model], init_params: Optional[Input[Model]] = None,
+):
+    """Train on several hosts (GPU machines or a TPU slice) as a Vertex AI custom job, and wait for it."""
+    from components import custom_job
+    from components.kfp_support import kfp_step, train_init
+    from components import steps
+
+    init = []
+
+    def plan(cfg):
+        init.append(train_init(cfg, dataset.path, init_params.path if init_params is not None else None))
+        return steps.plan_train(cfg, dataset.path, init[0])
+
+    def run(step, out):
+        return custom_job.train_on_custom_job(
+            step, out, config, dataset.path, init[0], project=project, location=location,
+            service_account=service_account, network=network,
+        )
+
+    kfp_step(plan, config, checkpoints, run)
 
 
 def export(config: str, checkpoints: Input[Model], dataset: Input[Dataset], model: Output[Model]):

@@ -8,22 +8,26 @@ from typing import Any, Callable
 
 from configs import Config, UserError
 from components import steps
+from components.artifacts import GCS_MOUNT
 
 ERROR_PREFIX = "maxpipe error: "
-GCS_MOUNT = "/gcs/"  # where Vertex AI mounts Cloud Storage (Cloud Storage FUSE) inside every step
 
 
-def kfp_step(plan: Callable[[Config], steps.Step], config_json: str, artifact: Any) -> dict[str, Any]:
+def kfp_step(
+    plan: Callable[[Config], steps.Step], config_json: str, artifact: Any,
+    run: Callable[[steps.Step, str], dict[str, Any]] = steps.execute,
+) -> dict[str, Any]:
     """Run a planned step into the content-addressed store and point the KFP output artifact at it.
 
     The artifact's URI becomes `{store}/{step}/{version}`: a rerun that plans the same version finds
     the directory complete and skips the work, under kfp.local, Vertex AI or Kubeflow alike.
+    `run(step, out_dir) -> manifest` does the work (here, or in a custom job the task waits for).
     """
     try:
         cfg = Config.model_validate_json(config_json)
         step = plan(cfg)
         artifact.path = str(steps.store_dir(store_root(cfg), step))  # also sets artifact.uri (gs:// for /gcs/)
-        manifest = steps.execute(step, artifact.path)
+        manifest = run(step, artifact.path)
     except UserError as err:
         # One line the launcher picks out of the component's log and shows the user.
         print(f"{ERROR_PREFIX}{err}", flush=True)
@@ -36,6 +40,14 @@ def store_root(cfg: Config) -> str:
     """The store directory as this process sees it: `pipeline.store`, else `{pipeline.root}/store`."""
     store = cfg.pipeline.store or f"{cfg.pipeline.root.rstrip('/')}/store"
     return GCS_MOUNT + store.removeprefix("gs://") if store.startswith("gs://") else str(Path(store).absolute())
+
+
+def train_init(cfg: Config, dataset_dir: str, init_dir: str | None) -> str | None:
+    """Where training starts: the ingested params, or with `continue_from` the latest export in the store."""
+    if cfg.train.continue_from == "latest_export":
+        latest = steps.latest_export(store_root(cfg), cfg, dataset_dir)
+        return str(latest) if latest else init_dir
+    return init_dir
 
 
 def artifact_metadata(manifest: dict[str, Any]) -> dict[str, Any]:

@@ -49,8 +49,11 @@ def plan_prep(cfg: Config, log: Log = print) -> Step:
 
     def work(out: Path) -> dict[str, Any]:
         from data_prep import prepare
+        from data_prep.pipeline import is_direct, pipeline_options
 
-        return prepare(data, cfg.model.vocab_size, out, log=log)
+        # Dataflow's workers cannot see this task's Cloud Storage mount: they write to gs:// itself.
+        target = out if is_direct(pipeline_options(data.beam_args)) else artifacts.mounted_url(out)
+        return prepare(data, cfg.model.vocab_size, target, log=log)
 
     config = {"data": data.model_dump(exclude={"beam_args"}), "vocab_size": cfg.model.vocab_size}
     return Step("prep", "dataset", config, inputs, artifacts.code_version("data_prep"), work)
@@ -113,14 +116,17 @@ def plan_eval(cfg: Config, model_dir: str | Path, dataset_dir: str | Path, log: 
     return Step("eval", "metrics", {"eval": cfg.eval.model_dump()}, inputs, artifacts.code_version("trainer"), work)
 
 
-def execute(step: Step, out_dir: str | Path, log: Log = print) -> dict[str, Any]:
-    """Run a step into out_dir and publish its manifest, or return the manifest already there (cache hit)."""
+def execute(step: Step, out_dir: str | Path, log: Log = print, primary: bool = True) -> dict[str, Any]:
+    """Run a step into out_dir and publish its manifest, or return the manifest already there (cache hit).
+
+    In a multi-host job every process does the work and only the `primary` one publishes.
+    """
     if "://" in str(out_dir):
         # The manifest layer (components.artifacts) works on local and mounted paths (/gcs/... on Vertex).
         raise UserError(f"output {out_dir}: give a local or mounted path (e.g. /gcs/BUCKET/...), not a URL")
     out = Path(out_dir)
     version = step.version
-    cached = artifacts.prepare_output(out, version, keep_partial=step.keep_partial)
+    cached = artifacts.prepare_output(out, version, keep_partial=step.keep_partial or not primary)
     if cached is not None:
         log(f"[{step.name}] cache hit: version {version} is complete at {out}")
         return cached
@@ -128,6 +134,8 @@ def execute(step: Step, out_dir: str | Path, log: Log = print) -> dict[str, Any]
     start = time.perf_counter()
     stats = step.work(out)
     stats["seconds"] = round(time.perf_counter() - start, 2)
+    if not primary:
+        return {"version": version, "stats": stats}
     manifest = artifacts.publish(
         out, kind=step.kind, step=step.name, version=version, code=step.code, config=step.config,
         inputs=step.inputs, stats=stats,

@@ -130,13 +130,32 @@ class StepResources(_Section):
         return self
 
 
+class TrainResources(StepResources):
+    """The train step's resources; several machines (or a TPU slice) make it a Vertex AI custom job."""
+
+    replicas: PosInt  # machines (multi-host training); each gets accelerator_count accelerators
+    machine_type: str  # Vertex AI machine type for the custom job, e.g. a3-highgpu-8g, ct5lp-hightpu-4t
+    tpu_topology: str  # a TPU slice's topology, e.g. 4x4; "" = not a TPU slice
+
+    @property
+    def custom_job(self) -> bool:
+        """Whether training runs as a (multi-host) Vertex AI custom job rather than inside its pipeline task."""
+        return self.replicas > 1 or bool(self.tpu_topology)
+
+    @model_validator(mode="after")
+    def _job_needs_machine(self) -> "TrainResources":
+        if self.custom_job and not self.machine_type:
+            raise ValueError("resources.train.machine_type is needed for multi-host training (replicas > 1 or tpu_topology)")
+        return self
+
+
 class ResourcesConfig(_Section):
     """Images and per-step resources for the compiled pipeline."""
 
     images: dict[str, str]
     prep: StepResources
     ingest: StepResources
-    train: StepResources
+    train: TrainResources
     export: StepResources
     eval: StepResources
 

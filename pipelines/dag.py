@@ -18,10 +18,34 @@ class Outputs(NamedTuple):
     metrics: Metrics
 
 
-def build_pipeline(cfg: Config) -> Callable[[], Outputs]:
-    """A KFP pipeline with the config baked in; ingest runs only when a HF checkpoint is given."""
+# Vertex AI fills these in at run time with the run's own project and region (as in
+# google-cloud-pipeline-components), so one compiled spec runs in any project.
+PROJECT_PLACEHOLDER = "{{$.pipeline_google_cloud_project_id}}"
+LOCATION_PLACEHOLDER = "{{$.pipeline_google_cloud_location}}"
+
+
+def build_pipeline(
+    cfg: Config, local: bool = False, service_account: str = "", network: str = "",
+) -> Callable[[], Outputs]:
+    """A KFP pipeline with the config baked in; ingest runs only when a HF checkpoint is given.
+
+    With multi-host training configured (resources.train), the train task launches a Vertex AI
+    custom job as `service_account` on `network` and waits for it, except in `local` runs.
+    """
     config = cfg.model_dump_json()
     res = cfg.resources
+
+    def train_op(**inputs: Any) -> PipelineTask:
+        if local or not res.train.custom_job:
+            return op("train", ops.train, **inputs)
+        # The launcher only waits for the job: the hosts get resources.train's machines.
+        image = res.images.get("cpu", res.image("train"))
+        task = ops.component(ops.train_job, image)(
+            config=config, project=PROJECT_PLACEHOLDER, location=LOCATION_PLACEHOLDER,
+            service_account=service_account, network=network, **inputs,
+        )
+        task.set_display_name("train").set_cpu_limit("1").set_memory_limit("4G").set_caching_options(False)
+        return task
 
     def op(name: str, func: Callable, **inputs: Any) -> PipelineTask:
         step = getattr(res, name)
@@ -41,7 +65,7 @@ def build_pipeline(cfg: Config) -> Callable[[], Outputs]:
         if cfg.pipeline.hf_checkpoint:
             ingest = op("ingest", ops.ingest, hf_checkpoint=cfg.pipeline.hf_checkpoint)
             init = {"init_params": ingest.outputs["params"]}
-        train = op("train", ops.train, dataset=prep.outputs["dataset"], **init)
+        train = train_op(dataset=prep.outputs["dataset"], **init)
         export = op("export", ops.export, checkpoints=train.outputs["checkpoints"], dataset=prep.outputs["dataset"])
         evaluate = op("eval", ops.evaluate, model=export.outputs["model"], dataset=prep.outputs["dataset"])
         return Outputs(
@@ -52,6 +76,6 @@ def build_pipeline(cfg: Config) -> Callable[[], Outputs]:
     return pipeline
 
 
-def compile_pipeline(cfg: Config, path: str) -> None:
+def compile_pipeline(cfg: Config, path: str, service_account: str = "", network: str = "") -> None:
     """Write the pipeline spec (YAML) that Vertex AI Pipelines and Kubeflow Pipelines run."""
-    compiler.Compiler().compile(build_pipeline(cfg), package_path=path)
+    compiler.Compiler().compile(build_pipeline(cfg, False, service_account, network), package_path=path)

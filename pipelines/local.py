@@ -32,7 +32,7 @@ def run_local(cfg: Config, verbose: bool = False, log: Log = print) -> dict[str,
     # Steps run in other processes (and directories): give them absolute paths.
     cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"root": str(root)})})
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
-    pipeline = build_pipeline(cfg)
+    pipeline = build_pipeline(cfg, local=True)
     # Locally every step runs in this environment: the cloud images and resources do not apply.
     warnings.filterwarnings("ignore", message=".*non-Python base image", category=RuntimeWarning)
     warnings.filterwarnings("ignore", message=".*have no effect in the current local runner", category=UserWarning)

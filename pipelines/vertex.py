@@ -17,8 +17,6 @@ from the service become one `configs.UserError` line naming what failed and the 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
 import re
 import secrets
@@ -26,18 +24,16 @@ import sys
 import tempfile
 import time
 import zoneinfo
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from components.vertex_api import api_errors as _api_errors
+from components.vertex_api import one_line as _one_line
+from components.vertex_api import vertex_session as _vertex
 from configs import UserError
 
 Log = Callable[[str], None]
 
-SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
-NO_CREDENTIALS = (
-    "no Google Cloud credentials found: run `gcloud auth application-default login` "
-    "(or point GOOGLE_APPLICATION_CREDENTIALS at a service-account key file)"
-)
 _FINAL_STATES = {"PIPELINE_STATE_SUCCEEDED", "PIPELINE_STATE_FAILED", "PIPELINE_STATE_CANCELLED"}
 _SCHEDULE_NAME = re.compile(r"projects/[^/]+/locations/[^/]+/schedules/[^/]+")
 
@@ -292,120 +288,6 @@ def _job_info(job: Any, project: str, region: str) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def _vertex(project: str, region: str, api_endpoint: str | None, credentials: Any, log: Log) -> Iterator[Any]:
-    """Point the SDK at the API (REST transport) with the given or default credentials, for one call.
-
-    The SDK keeps the endpoint and the transport only in its process-wide config (`aiplatform.init`
-    can set the endpoint but never clear it), so they are set here and restored afterwards.
-    We always use the REST transport: it is the path the tests exercise, needs no gRPC channel,
-    and accepts an endpoint with a scheme: the transport prefixes `https://` only to an endpoint
-    without one (rest_base.py: `host = f"{url_scheme}://{host}" if not url_match_items["scheme"]`),
-    so `api_endpoint="http://127.0.0.1:PORT"` talks plain HTTP to a local stand-in (anonymously),
-    while a bare host (`europe-west4-aiplatform.googleapis.com`, a Private Service Connect name)
-    stays on HTTPS with the user's credentials.
-    """
-    if not project or not region:
-        raise UserError("Vertex AI needs a project and a region (--project, --region)")
-    from google.cloud.aiplatform import initializer, utils
-
-    try:
-        utils.validate_region(region)
-    except ValueError:
-        raise UserError(f"unknown Vertex AI region {region!r} (e.g. us-central1, europe-west4; "
-                        "https://cloud.google.com/vertex-ai/docs/general/locations)") from None
-    if credentials is None and (api_endpoint or "").startswith("http://"):
-        # Plain HTTP is only for a local stand-in of the API: never send a bearer token over it.
-        from google.auth.credentials import AnonymousCredentials
-
-        credentials = AnonymousCredentials()
-    creds = credentials or _default_credentials()
-    config = initializer.global_config
-    saved = config._api_endpoint, config._api_transport
-    config._api_endpoint, config._api_transport = api_endpoint, "rest"
-    try:
-        with _sdk_logs(log):
-            yield creds
-    finally:
-        config._api_endpoint, config._api_transport = saved
-
-
-def _default_credentials() -> Any:
-    import google.auth
-    from google.auth import exceptions
-
-    try:
-        creds, _ = google.auth.default(scopes=SCOPES)
-    except exceptions.DefaultCredentialsError as err:
-        detail = f" ({_one_line(str(err))})" if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS") else ""
-        raise UserError(NO_CREDENTIALS + detail) from None
-    return creds
-
-
-@contextlib.contextmanager
-def _api_errors(action: str) -> Iterator[None]:
-    """Turn what the API or the network answered into one UserError line starting with `action`."""
-    import requests
-    from google.api_core import exceptions as api_exceptions
-    from google.auth import exceptions as auth_exceptions
-
-    try:
-        yield
-    except api_exceptions.GoogleAPICallError as err:
-        raise UserError(f"{action}: {google_error(err)}") from err
-    except auth_exceptions.DefaultCredentialsError:
-        raise UserError(NO_CREDENTIALS) from None
-    except auth_exceptions.RefreshError as err:
-        raise UserError(f"{action}: Google Cloud credentials could not be refreshed ({_one_line(str(err))}); "
-                        "run `gcloud auth application-default login`") from err
-    except requests.exceptions.ConnectionError as err:
-        url = getattr(err.request, "url", None) or "the Vertex AI API"
-        raise UserError(f"{action}: cannot reach {url.split('?')[0]} ({type(err).__name__})") from err
-
-
-def google_error(err: Any) -> str:
-    """`403 <the server's message>` from a google.api_core error (REST: read from the error JSON)."""
-    message = err.message
-    response = getattr(err, "response", None)
-    if response is not None and hasattr(response, "json"):
-        with contextlib.suppress(Exception):
-            message = response.json()["error"]["message"]
-    code = err.code if isinstance(err.code, int) else getattr(err.code, "value", (err.code,))[0]
-    return f"{code} {_one_line(message)}"
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-@contextlib.contextmanager
-def _sdk_logs(log: Log) -> Iterator[None]:
-    """Keep the SDK's INFO chatter (and tracebacks) off the terminal during one call.
-
-    The SDK's loggers each print INFO to stdout; we print our own short lines instead. One record
-    matters: `PipelineJob.submit` checks (and creates if missing) the pipeline root's bucket and,
-    if that fails, logs the exception with its traceback and goes on; it becomes a one-line warning.
-    """
-
-    class Quiet(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            if record.exc_info and record.exc_info[1] is not None:
-                log(f"warning: {record.getMessage()}: {_one_line(str(record.exc_info[1]))[:300]}")
-                return False
-            return record.levelno >= logging.WARNING
-
-    quiet = Quiet()
-    loggers = [lg for name, lg in logging.root.manager.loggerDict.items()
-               if name.startswith("google.cloud.aiplatform") and isinstance(lg, logging.Logger)]
-    for lg in loggers:
-        lg.addFilter(quiet)
-    try:
-        yield
-    finally:
-        for lg in loggers:
-            lg.removeFilter(quiet)
-
-
 # ----------------------------------------------------------------------------------- the CLI
 
 
@@ -488,7 +370,7 @@ def _submit_or_create(command: str, args: argparse.Namespace, kfp: bool, where: 
     display_name = args.display_name or cfg.pipeline.name
     with tempfile.TemporaryDirectory(prefix="maxpipe-") as tmp:
         spec = os.path.join(tmp, "pipeline.yaml")
-        compile_pipeline(cfg, spec)
+        compile_pipeline(cfg, spec, args.service_account or "", "" if kfp else args.network or "")
         if kfp:
             from pipelines import kfp_target
 

@@ -6,7 +6,8 @@ the calls maxpipe makes, with resources kept in memory. Rules added with `fail(.
 requests answer with the service's error JSON instead, to test error handling.
 
 FakeVertex speaks the Vertex AI v1 REST surface the google-cloud-aiplatform SDK uses (pipelineJobs
-create/get, schedules create/list/get/pause/resume/delete, the delete operation) plus the one Cloud
+create/get, schedules create/list/get/pause/resume/delete, the delete operation, customJobs
+create/get, where a test may run the job's worker pools itself) plus the one Cloud
 Storage JSON call `PipelineJob.submit` makes (the bucket-exists check on the pipeline root, reached
 through STORAGE_EMULATOR_HOST). FakeKFP speaks the KFP v2beta1 REST API that `kfp.Client` uses.
 """
@@ -126,6 +127,10 @@ class FakeVertex(_FakeServer):
     schedules: dict[str, Json] = field(default_factory=dict)
     job_states: list[str] = field(default_factory=lambda: ["PIPELINE_STATE_SUCCEEDED"])
     job_error: Json | None = None
+    custom_jobs: dict[str, Json] = field(default_factory=dict)
+    # Runs a created custom job (its JSON body) and returns an error message, or None for success;
+    # called in a thread, the job shows as running until it returns. None: jobs succeed at once.
+    run_custom_job: Any = None
 
     def error_body(self, err: HttpError) -> Json:
         # google.rpc.Status as the JSON error body of a Google REST API (AIP-193).
@@ -134,12 +139,15 @@ class FakeVertex(_FakeServer):
     def route(self, method: str, path: str, query: dict[str, str], body: Any) -> Json:
         if m := re.fullmatch(r"/storage/v1/b/([^/]+)", path):
             return {"kind": "storage#bucket", "name": m.group(1), "id": m.group(1)}
-        m = re.fullmatch(r"/v1/(projects/[^/]+/locations/[^/]+)/(pipelineJobs|schedules)(?:/([^/:]+))?(?::(\w+))?", path)
+        m = re.fullmatch(
+            r"/v1/(projects/[^/]+/locations/[^/]+)/(pipelineJobs|schedules|customJobs)(?:/([^/:]+))?(?::(\w+))?", path)
         if not m:
             raise HttpError(404, "NOT_FOUND", f"no such method: {method} {path}")
         parent, kind, rid, verb = m.groups()
         if kind == "pipelineJobs":
             return self._job(method, parent, rid, query, body)
+        if kind == "customJobs":
+            return self._custom_job(method, parent, rid, body)
         return self._schedule(method, parent, rid, verb, body)
 
     def _job(self, method: str, parent: str, rid: str | None, query: dict[str, str], body: Json) -> Json:
@@ -161,6 +169,28 @@ class FakeVertex(_FakeServer):
                 job["error"] = self.job_error
             return {k: v for k, v in job.items() if not k.startswith("_")}
         raise HttpError(404, "NOT_FOUND", f"PipelineJob {name} not found")
+
+    def _custom_job(self, method: str, parent: str, rid: str | None, body: Json) -> Json:
+        if method == "POST" and rid is None:
+            name = f"{parent}/customJobs/{next(self._ids)}"
+            job = self.custom_jobs[name] = {**body, "name": name, "state": "JOB_STATE_PENDING",
+                                            "createTime": "2026-11-20T10:00:00Z"}
+            if self.run_custom_job is None:
+                job["state"] = "JOB_STATE_SUCCEEDED"
+            else:
+                def run() -> None:
+                    job["state"] = "JOB_STATE_RUNNING"
+                    error = self.run_custom_job(body)
+                    if error:
+                        job["error"] = {"code": 13, "message": error}
+                    job["state"] = "JOB_STATE_FAILED" if error else "JOB_STATE_SUCCEEDED"
+
+                threading.Thread(target=run, daemon=True).start()
+            return {k: v for k, v in job.items() if k != "state"} | {"state": "JOB_STATE_PENDING"}
+        name = f"{parent}/customJobs/{rid}"
+        if method == "GET" and name in self.custom_jobs:
+            return dict(self.custom_jobs[name])
+        raise HttpError(404, "NOT_FOUND", f"CustomJob {name} not found")
 
     def _schedule(self, method: str, parent: str, rid: str | None, verb: str | None, body: Json) -> Json:
         if rid is None and method == "POST":

@@ -1,0 +1,49 @@
+"""One host of a multi-host training job (a Vertex AI custom job's worker pools run this on every host).
+
+    python -m components.train_worker --config JSON --dataset DIR --out DIR [--init DIR]
+
+Every process joins the JAX cluster (trainer/distributed.py reads CLUSTER_SPEC and the other
+conventions), trains its share, and process 0 publishes the manifest once all of them are done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from configs import Config, UserError
+from components import steps
+from components.kfp_support import ERROR_PREFIX
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m components.train_worker", description=__doc__)
+    parser.add_argument("--config", required=True, help="the resolved config, as JSON")
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--init", default=None)
+    args = parser.parse_args(argv)
+    try:
+        from trainer import distributed
+
+        distributed.initialize()
+        import jax
+
+        index, count = jax.process_index(), jax.process_count()
+        prefix = f"[process {index}/{count}] " if count > 1 else ""
+        cfg = Config.model_validate_json(args.config)
+
+        def log(line: str) -> None:
+            print(prefix + line, flush=True)
+
+        step = steps.plan_train(cfg, args.dataset, args.init, log)
+        steps.execute(step, args.out, log, primary=index == 0)
+    except UserError as err:
+        print(f"{ERROR_PREFIX}{err}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
