@@ -53,7 +53,12 @@ class DataConfig(_Section):
     """Beam prep: inputs, tokenizer, packing and split."""
 
     input: list[str]
+    weights: list[PosFloat]
     text_field: str
+    max_document_bytes: PosInt
+    max_bad_fraction: Annotated[float, Field(ge=0, le=1)]
+    dedup: bool
+    packing: Literal["concat", "documents"]
     tokenizer: str
     seq_len: Annotated[int, Field(gt=1)]
     val_fraction: Annotated[float, Field(gt=0, lt=1)]
@@ -61,6 +66,12 @@ class DataConfig(_Section):
     val_shards: PosInt
     bpe_train_max_bytes: PosInt
     beam_args: list[str]
+
+    @model_validator(mode="after")
+    def _one_weight_per_input(self) -> "DataConfig":
+        if self.weights and len(self.weights) != len(self.input):
+            raise ValueError(f"data.weights has {len(self.weights)} values for {len(self.input)} data.input globs: give one per glob, or none")
+        return self
 
 
 class TrainConfig(_Section):

@@ -28,9 +28,15 @@ def inspect_dataset(directory: str | Path, samples: int = 2, sample_chars: int =
         f"dataset {manifest.get('version', '?')}  {directory}",
         f"  input       {stats['input']['files']:,} files, {stats['input']['bytes'] / 1e6:,.1f} MB  {stats['input']['patterns']}",
         f"  tokenizer   {tok['kind']} from {tok['source']}, {tok['vocab_size']:,} tokens, eos {tok['eos_id']}",
-        f"  skipped     {stats['skipped'] or 'nothing'}",
+        f"  skipped     {stats['skipped'] or 'nothing'}"
+        + (f" (listed in {stats['bad_records']['file']})" if stats.get("bad_records", {}).get("count") else ""),
+        f"  duplicates  {stats.get('duplicates', 0):,} dropped; packing {stats['record_format'].get('packing', 'concat')}",
     ]
-    rows = {split: [read_shard(directory / s["name"]) for s in stats["shards"] if s["split"] == split] for split in ("train", "val")}
+    # Only the tokens field: `documents` records also hold segment ids and positions (data_prep/pack.py).
+    rows = {
+        split: [read_shard(directory / s["name"])[:, : stats["seq_len"]] for s in stats["shards"] if s["split"] == split]
+        for split in ("train", "val")
+    }
     for split in ("train", "val"):
         tokens, padding = stats["tokens"][split], stats["padding_tokens"][split]
         lines.append(
@@ -39,7 +45,8 @@ def inspect_dataset(directory: str | Path, samples: int = 2, sample_chars: int =
         )
     lengths = np.concatenate([_document_lengths(shard, tok["eos_id"]) for shard in rows["train"] + rows["val"]])
     lines += ["", "  document length (tokens)  documents"] + _histogram(lengths)
-    val = np.concatenate(rows["val"]) if rows["val"] else np.zeros((0, stats["seq_len"]), np.int32)
+    val_rows = [r for r in rows["val"] if len(r)]
+    val = np.concatenate(val_rows) if val_rows else np.zeros((0, stats["seq_len"]), np.int32)
     for i, row in enumerate(val[:samples]):
         text = encoder.decode([int(t) for t in row if t != PAD])
         lines += ["", f"  val sequence {i}:", "  " + repr(text[:sample_chars]) + ("…" if len(text) > sample_chars else "")]

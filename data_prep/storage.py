@@ -75,6 +75,23 @@ def upload(local: str | Path, url: str) -> None:
     fs.put_file(str(local), p)
 
 
+def download(url: str, local: str | Path) -> None:
+    """Copy a URL's object to a local file."""
+    fs, p = _fs(url)
+    fs.get_file(p, str(local))
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """A small file at a path or URL (one object upload for a URL)."""
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def read_bytes(path: str | Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def upload_dir(local: str | Path, url: str) -> None:
     for file in sorted(Path(local).rglob("*")):
         if file.is_file():

@@ -30,7 +30,8 @@ def write_corpus(folder: Path, n: int = 24, seed: int = 0) -> Path:
 
 def make_cfg(inputs: list[str], **overrides) -> DataConfig:
     fields = dict(
-        input=inputs, text_field="text", tokenizer="", seq_len=32, val_fraction=0.2, train_shards=2, val_shards=1,
+        input=inputs, weights=[], text_field="text", max_document_bytes=8_000_000, max_bad_fraction=0.05, dedup=True,
+        packing="concat", tokenizer="", seq_len=32, val_fraction=0.2, train_shards=2, val_shards=1,
         bpe_train_max_bytes=10**6, beam_args=FAST,
     )
     return DataConfig(**{**fields, **overrides})
@@ -107,9 +108,19 @@ def test_trained_bpe_default_runner_is_lossless(tmp_path):
     assert [s["name"] for s in stats["shards"]] == [
         "train-00000-of-00002.array_record", "train-00001-of-00002.array_record", "val-00000-of-00001.array_record"
     ]
-    assert sorted(p.name for p in out.iterdir()) == sorted([s["name"] for s in stats["shards"]] + ["tokenizer"])
-    assert stats["input"]["files"] == 24 and stats["skipped"] == {}
-    assert stats["record_format"] == {"dtype": "int32le", "pad": -1}
+    assert sorted(p.name for p in out.iterdir()) == sorted([s["name"] for s in stats["shards"]] + ["dead_letter.jsonl", "tokenizer"])
+    assert stats["input"]["files"] == 24 and stats["skipped"] == {} and (out / "dead_letter.jsonl").read_text() == ""
+    assert stats["record_format"] == {"dtype": "int32le", "pad": -1, "packing": "concat", "fields": ["tokens"], "seq_len": 32}
+    assert stats["bad_records"] == {"records": 24, "count": 0, "fraction": 0.0, "max_fraction": 0.05, "file": "dead_letter.jsonl"}
+    assert stats["duplicates"] == 0 and stats["mixture"] == [
+        {"input": pattern, "weight": 1.0, "files": 12, "documents_read": 12, "duplicates": 0,
+         "train_documents": sum(m["train_documents"] for m in stats["mixture"] if m["input"] == pattern),
+         "train_tokens": sum(m["train_tokens"] for m in stats["mixture"] if m["input"] == pattern),
+         "val_documents": sum(m["val_documents"] for m in stats["mixture"] if m["input"] == pattern),
+         "val_tokens": sum(m["val_tokens"] for m in stats["mixture"] if m["input"] == pattern)}
+        for pattern in cfg.input
+    ]
+    assert sum(m["train_tokens"] for m in stats["mixture"]) == stats["tokens"]["train"]
     json.dumps(stats)  # serialisable
     assert any("BPE" in line for line in lines) and any("tokens/s" in line for line in lines)
 
@@ -232,7 +243,7 @@ def test_jsonl_documents_and_skips(tmp_path):
     (corpus / "bad.txt").write_bytes(b"latin-1 \xe9\xe8 is not UTF-8")
     (corpus / "empty.txt").write_text("\n\n")
     (corpus / "c.jsonl").write_bytes(json.dumps({"text": "fourth"}).encode() + b"\n\xff\xfe broken\n")
-    stats = prepare(make_cfg([str(corpus / "*")], val_fraction=0.5), 400, tmp_path / "out", log=lambda _: None)
+    stats = prepare(make_cfg([str(corpus / "*")], val_fraction=0.5, max_bad_fraction=1), 400, tmp_path / "out", log=lambda _: None)
     assert stats["skipped"] == {"bad_json": 1, "empty": 3, "invalid_utf8": 2, "missing_text_field": 2}
     assert sum(stats["documents"].values()) == 5
     tok = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer" / "tokenizer.json"))

@@ -55,13 +55,14 @@ def test_fingerprint_follows_content_not_location(tmp_path):
 
 def test_read_documents_reports_skips(tmp_path):
     skipped = []
+    skip = lambda reason, line: skipped.append((line, reason))
     (tmp_path / "x.jsonl").write_bytes(b'{"t": "a"}\n{"t": 3}\n\n{"t": "b"}\nnope\n\xff\n')
-    docs = list(read_documents(tmp_path / "x.jsonl", "t", skipped.append))
+    docs = list(read_documents(tmp_path / "x.jsonl", "t", skip))
     assert docs == [(1, "a"), (4, "b")]
-    assert sorted(skipped) == ["bad_json", "empty", "invalid_utf8", "missing_text_field"]
+    assert skipped == [(2, "missing_text_field"), (3, "empty"), (5, "bad_json"), (6, "invalid_utf8")]
     (tmp_path / "y.py").write_text("print(1)\n")
-    assert list(read_documents(tmp_path / "y.py", "t", skipped.append)) == [(0, "print(1)\n")]
-    assert list(read_documents(tmp_path / "gone.txt", "t", skipped.append)) == [] and skipped[-1] == "unreadable_file"
+    assert list(read_documents(tmp_path / "y.py", "t", skip)) == [(0, "print(1)\n")]
+    assert list(read_documents(tmp_path / "gone.txt", "t", skip)) == [] and skipped[-1] == (0, "unreadable_file")
 
 
 def test_pack_drops_nothing_and_pads_the_tail():

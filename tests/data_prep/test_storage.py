@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def corpus_with_jsonl(folder: Path) -> Path:
 
 
 def without_patterns(stats: dict) -> dict:
-    return {**stats, "input": {**stats["input"], "patterns": None}}
+    return {**stats, "input": {**stats["input"], "patterns": None}, "mixture": [{**m, "input": None} for m in stats["mixture"]]}
 
 
 def test_storage_helpers(tmp_path, memory):
@@ -53,7 +54,8 @@ def test_storage_helpers(tmp_path, memory):
     assert storage.key("gs://b/x/y") == "/b/x/y" and storage.key("file:///tmp/x") == "/tmp/x"
     assert list(read_documents(f"{memory}/d/a.txt", "text", print)) == [(0, "abc")]
     skipped = []
-    assert list(read_documents(f"{memory}/gone.txt", "text", skipped.append)) == [] and skipped == ["unreadable_file"]
+    assert list(read_documents(f"{memory}/gone.txt", "text", lambda *r: skipped.append(r))) == []
+    assert skipped == [("unreadable_file", 0)]
 
 
 def test_url_inputs_give_the_same_dataset(tmp_path, memory):
@@ -66,8 +68,10 @@ def test_url_inputs_give_the_same_dataset(tmp_path, memory):
         files = resolve_inputs([pattern])
         assert relative_names(files) == names and all(storage.is_url(f) == (kind != "local") for f in files)
         out = tmp_path / f"out-{kind}"
-        stats = prepare(make_cfg([pattern], val_fraction=0.3), 400, out, **QUIET)
-        runs[kind] = (without_patterns(stats), tree(out))
+        stats = prepare(make_cfg([pattern], val_fraction=0.3, max_bad_fraction=0.1), 400, out, **QUIET)
+        dead = json.loads(tree(out).pop("dead_letter.jsonl"))  # names the file by its path or URL
+        assert dead["source"] == str(files[-1]) and (dead["line"], dead["reason"]) == (2, "bad_json")
+        runs[kind] = (without_patterns(stats), {k: v for k, v in tree(out).items() if k != "dead_letter.jsonl"})
     assert runs["local"][0]["input"]["files"] == 17 and runs["local"][0]["skipped"] == {"bad_json": 1}
     assert runs["local"] == runs["file"] == runs["memory"]
 
@@ -81,7 +85,9 @@ def test_output_to_memory_url(tmp_path, memory):
     assert stats == local
     published = tree(f"{memory}/out")
     assert published == tree(tmp_path / "out")
-    assert sorted(published) == sorted([s["name"] for s in stats["shards"]] + ["tokenizer/special_tokens.json", "tokenizer/tokenizer.json"])
+    assert sorted(published) == sorted(
+        [s["name"] for s in stats["shards"]] + ["dead_letter.jsonl", "tokenizer/special_tokens.json", "tokenizer/tokenizer.json"]
+    )
     for shard in stats["shards"]:
         assert hashlib.sha256(published[shard["name"]]).hexdigest() == shard["sha256"]
         with storage.download_to_temp(f"{memory}/out/{shard['name']}") as path:
@@ -105,16 +111,16 @@ def test_failure_mid_run_publishes_nothing(tmp_path, memory, monkeypatch):
     corpus = write_corpus(tmp_path / "corpus", n=12, seed=14)
     calls = []
 
-    def failing_pack(docs, seq_len):
-        calls.append(1)
-        if len(calls) > 1:  # after one shard has been uploaded to staging
-            raise RuntimeError("worker died")
-        return real_pack(docs, seq_len)
-
     from data_prep import pipeline
 
-    real_pack = pipeline.pack
-    monkeypatch.setattr(pipeline, "pack", failing_pack)
+    class FailingPacker(pipeline.PACKERS["concat"]):
+        def __init__(self, seq_len):
+            calls.append(1)
+            if len(calls) > 1:  # after one shard has been uploaded to staging
+                raise RuntimeError("worker died")
+            super().__init__(seq_len)
+
+    monkeypatch.setitem(pipeline.PACKERS, "concat", FailingPacker)
     with pytest.raises(Exception, match="worker died"):
         prepare(make_cfg([str(corpus / "*")]), 400, f"{memory}/out", **QUIET)
     assert calls and tree(f"{memory}/out") == {}
