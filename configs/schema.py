@@ -37,6 +37,23 @@ class ModelConfig(_Section):
     init_std: PosFloat
     dtype: Dtype
     param_dtype: Dtype
+    family: Literal["llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3"]
+    activation: Literal["silu", "gelu_tanh"]
+    norm_plus_one: bool
+    scale_embeddings: bool
+    qk_norm: bool
+    post_norms: bool
+    query_pre_attn_scalar: NonNegFloat
+    attn_softcap: NonNegFloat
+    final_softcap: NonNegFloat
+    sliding_window: NonNegInt
+    global_every: NonNegInt
+    rope_local_theta: NonNegFloat
+    rope_scaling: Literal["none", "linear", "llama3"]
+    rope_factor: PosFloat
+    rope_low_freq_factor: PosFloat
+    rope_high_freq_factor: PosFloat
+    rope_original_max_len: PosInt
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -46,6 +63,8 @@ class ModelConfig(_Section):
             )
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim ({self.head_dim}) must be even for RoPE")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor for llama3 RoPE scaling")
         return self
 
 
@@ -113,7 +132,9 @@ class EvalConfig(_Section):
     max_new_tokens: NonNegInt
     temperature: NonNegFloat
     top_k: NonNegInt
+    top_p: Annotated[float, Field(gt=0, le=1)]
     seed: int
+    tasks: list[str]
 
 
 class PipelineConfig(_Section):

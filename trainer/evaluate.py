@@ -1,4 +1,4 @@
-"""Evaluation: validation loss/perplexity over the val shards, and sampling a continuation of a prompt."""
+"""Evaluation: validation loss/perplexity over the val shards, a sampled continuation of a prompt, multiple-choice tasks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import EvalConfig, ModelConfig, UserError
 from trainer.data import eval_batches, shard_paths
+from trainer.decode import generate_batch
 from trainer.model import Transformer
+from trainer.tasks import score_task
 from trainer.tokenizer import load_tokenizer
 
 Array = jax.Array
@@ -37,7 +39,7 @@ def _loss_step(cfg_json: str) -> Callable:
 
     @jax.jit
     def step(params: Any, batch: dict[str, Array]) -> tuple[Array, Array, Array]:
-        logits = model.apply({"params": params}, batch["inputs"])
+        logits = model.apply({"params": params}, batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
         total, count = token_loss(logits, batch["targets"], batch["mask"])
         return total, count, jnp.sum(jnp.any(batch["mask"] > 0, axis=-1))
 
@@ -84,35 +86,6 @@ def _on_mesh(params: Any, mesh: Mesh, batch_size: int) -> tuple[Any, NamedShardi
     return params, NamedSharding(mesh, PartitionSpec(axes) if axes and batch_size % ways == 0 else PartitionSpec())
 
 
-@functools.cache
-def _decode_loop(cfg_json: str) -> Callable:
-    """One jitted decode loop per model config; it compiles once per buffer length, whatever the sampling settings."""
-    model = Transformer(ModelConfig.model_validate_json(cfg_json))
-
-    @jax.jit
-    def decode(
-        params: Any, buf: Array, start: Array, eos_id: Array, temperature: Array, top_k: Array, key: Array
-    ) -> tuple[Array, Array]:
-        def not_done(state: tuple[Array, Array, Array]) -> Array:
-            _, pos, done = state
-            return (pos < buf.shape[0]) & ~done
-
-        def next_token(state: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
-            buf, pos, _ = state
-            # Causal attention: the zeros right of `pos` don't change the logits at pos - 1.
-            logits = model.apply({"params": params}, buf[None])[0, pos - 1]
-            kth = jnp.where(top_k > 0, jnp.sort(logits)[-jnp.maximum(top_k, 1)], -jnp.inf)
-            scaled = jnp.where(logits < kth, -jnp.inf, logits) / jnp.maximum(temperature, 1e-6)
-            sampled = jax.random.categorical(jax.random.fold_in(key, pos), scaled)
-            token = jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(buf.dtype)
-            return buf.at[pos].set(token), pos + 1, token == eos_id
-
-        buf, end, done = jax.lax.while_loop(not_done, next_token, (buf, start, jnp.bool_(False)))
-        return buf, end - done  # leave a final EOS out
-
-    return decode
-
-
 def generate(
     params: Any,
     cfg: ModelConfig,
@@ -122,28 +95,18 @@ def generate(
     top_k: int,
     seed: int,
     eos_id: int | None,
+    top_p: float = 1.0,
 ) -> list[int]:
     """New token ids after the prompt, up to max_new_tokens or EOS (not included); greedy when temperature is 0."""
     if not prompt_ids:
         raise ValueError("generate needs at least one prompt token")
-    if max_new_tokens <= 0:
-        return []
-    # Keep the prompt's tail so prompt + new tokens fit in max_seq_len (at least one prompt token stays).
-    prompt = list(prompt_ids)[-max(cfg.max_seq_len - max_new_tokens, 1):]
-    length = min(len(prompt) + max_new_tokens, cfg.max_seq_len)
-    buf = np.zeros(length, np.int32)
-    buf[: len(prompt)] = prompt
-    out, end = _decode_loop(cfg.model_dump_json())(
-        params, jnp.asarray(buf), jnp.int32(len(prompt)), jnp.int32(-1 if eos_id is None else eos_id),
-        jnp.float32(temperature), jnp.int32(min(top_k, cfg.vocab_size)), jax.random.key(seed),
-    )
-    return np.asarray(out)[len(prompt) : int(end)].tolist()
+    return generate_batch(params, cfg, [prompt_ids], max_new_tokens, temperature, top_k, top_p, seed, eos_id)[0]
 
 
 def evaluate(
     params: Any, model_cfg: ModelConfig, eval_cfg: EvalConfig, dataset_dir: str | Path, log: Callable[[str], Any] = print
 ) -> dict:
-    """Validation loss over the dataset's val shards and a sampled continuation of eval_cfg.prompt."""
+    """Validation loss over the dataset's val shards, a sampled continuation of eval_cfg.prompt, eval_cfg.tasks' scores."""
     tokenizer = load_tokenizer(Path(dataset_dir) / "tokenizer")
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise UserError(
@@ -160,16 +123,22 @@ def evaluate(
     if prompt_ids and eval_cfg.max_new_tokens:
         new_ids = generate(
             params, model_cfg, prompt_ids, eval_cfg.max_new_tokens, eval_cfg.temperature, eval_cfg.top_k,
-            eval_cfg.seed, tokenizer.eos_id,
+            eval_cfg.seed, tokenizer.eos_id, eval_cfg.top_p,
         )
         sample = tokenizer.decode(new_ids)
     elif not prompt_ids:
         log("no sample: eval.prompt is empty and the tokenizer has no BOS token")
     log(f"sample: {eval_cfg.prompt!r} -> {sample!r}")
+    tasks = []
+    for path in eval_cfg.tasks:
+        tasks.append(score_task(params, model_cfg, tokenizer, path, eval_cfg.batch_size))
+        log(f"task {tasks[-1]['task']}: accuracy {tasks[-1]['accuracy']:.4f}, "
+            f"normalised {tasks[-1]['accuracy_norm']:.4f} over {tasks[-1]['examples']} examples")
     return {
         "val_loss": val["loss"],
         "val_perplexity": val["perplexity"],
         "val_tokens": val["tokens"],
         "prompt": eval_cfg.prompt,
         "sample": sample,
+        "tasks": tasks,
     }

@@ -1,38 +1,71 @@
-"""HF <-> maxpipe conversion for Llama models: config inference, safetensors ingest, HF export.
+"""HF <-> maxpipe conversion for Llama, Mistral, Qwen3 and Gemma 1/2/3: config mapping, safetensors ingest, HF export.
 
 HF stores torch Linear weights as [out, in]; ours are [in, out] with the head axis split out
 (see `trainer/model.py`). Both sides use the half-rotation RoPE layout, so q/k need no permutation.
-Safetensors are read and written here one tensor at a time: numpy cannot read bfloat16 through the
-`safetensors` package, and streaming keeps a single copy of the model in memory.
+Safetensors are read and written here one tensor at a time: the `safetensors` package's numpy API
+cannot return bfloat16 (and its torch API needs torch, a test-only dependency). Each tensor is
+memory-mapped on its own and copied straight into its slot of the stacked output, so ingest holds
+the output tree plus at most one tensor. PyTorch pickles are read only with allow_pickle=True.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import mmap
 import shutil
 import struct
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from pydantic import ValidationError
 
 from configs import ModelConfig, UserError
-from trainer.checkpoint import abstract_params, check_shapes, save_params
-from trainer.model import param_count
+from trainer.checkpoint import PARAMS_DIR, abstract_params, check_shapes
+from trainer.model import layer_is_global, param_count
 from trainer.tokenizer import FILES as TOKENIZER_FILES
 from trainer.tokenizer import SPECIAL_TOKENS
 
 Log = Callable[[str], None]
 
-# ModelConfig field -> the HF config.json key it comes from (for error messages and checks).
+# model.family -> (HF architecture, HF model_type)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma": ("GemmaForCausalLM", "gemma"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+_PLAIN = dict(
+    activation="silu", norm_plus_one=False, scale_embeddings=False, qk_norm=False, post_norms=False,
+    query_pre_attn_scalar=0.0, attn_softcap=0.0, final_softcap=0.0, sliding_window=0, global_every=0,
+    rope_local_theta=0.0,
+)
+_GEMMA = dict(_PLAIN, activation="gelu_tanh", norm_plus_one=True, scale_embeddings=True)
+# The model features each family fixes; the ones left out are read from (and written to) config.json.
+_FIXED: dict[str, dict[str, Any]] = {
+    "llama": _PLAIN,
+    "mistral": {k: v for k, v in _PLAIN.items() if k != "sliding_window"},
+    "qwen3": dict(_PLAIN, qk_norm=True),
+    "gemma": _GEMMA,
+    "gemma2": {k: v for k, v in dict(_GEMMA, post_norms=True).items()
+               if k not in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "sliding_window", "global_every")},
+    "gemma3": {k: v for k, v in dict(_GEMMA, post_norms=True, qk_norm=True).items()
+               if k not in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "sliding_window", "global_every",
+                            "rope_local_theta")},
+}
+# ModelConfig field -> the HF config.json key it comes from (for error messages).
 _HF_KEYS = {
+    "family": "model_type",
     "vocab_size": "vocab_size",
     "emb_dim": "hidden_size",
     "num_layers": "num_hidden_layers",
@@ -43,16 +76,24 @@ _HF_KEYS = {
     "rope_theta": "rope_theta",
     "norm_eps": "rms_norm_eps",
     "tie_embeddings": "tie_word_embeddings",
+    "sliding_window": "sliding_window",
+    "query_pre_attn_scalar": "query_pre_attn_scalar",
+    "attn_softcap": "attn_logit_softcapping",
+    "final_softcap": "final_logit_softcapping",
 }
+# Fields that do not change what the weights compute, so a checkpoint need not match them.
+_FREE_FIELDS = ("name", "max_seq_len", "init_std", "dtype", "param_dtype")
 _SUMMARY_KEYS = (
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-    "rope_theta", "rope_parameters", "tie_word_embeddings", "bos_token_id", "eos_token_id", "dtype",
-    "torch_dtype", "transformers_version",
+    "rope_theta", "rope_parameters", "rope_scaling", "sliding_window", "layer_types", "tie_word_embeddings",
+    "bos_token_id", "eos_token_id", "dtype", "torch_dtype", "transformers_version",
 )
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _ST_TO_NP = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
+_ROPE_DEFAULTS = dict(rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                      rope_original_max_len=8192)
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -69,16 +110,40 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     return hf
 
 
+def hf_family(hf: dict) -> str:
+    """Our model.family for a HF config.json, from its model_type and architectures."""
+    model_type = hf.get("model_type", "llama")
+    family = next((f for f, (_, mt) in FAMILIES.items() if mt == model_type), None)
+    archs = hf.get("architectures") or []
+    if family is None or any(a != FAMILIES[family][0] for a in archs):
+        what = ", ".join(archs) or f"model_type {model_type!r}"
+        known = ", ".join(arch for arch, _ in FAMILIES.values())
+        raise UserError(f"HF checkpoint is {what}; maxpipe converts {known}")
+    return family
+
+
 def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
-    """Our ModelConfig for a HF Llama config.json (float32 compute and weights)."""
-    _check_supported(hf)
+    """Our ModelConfig for a HF config.json of a supported family (float32 compute and weights)."""
+    family = hf_family(hf)
+    _check_supported(hf, family)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in hf:
             raise UserError(f"HF config lacks {key!r}")
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    sliding_window, global_every = _layer_pattern(hf, family)
+    gemma = family.startswith("gemma")
+    features = dict(
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
+        attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        sliding_window=sliding_window,
+        global_every=global_every,
+        rope_local_theta=0.0,
+    ) | _FIXED[family] | _rope_fields(hf, family)
     try:
         return ModelConfig(
             name=name,
+            family=family,
             vocab_size=hf["vocab_size"],
             emb_dim=hidden,
             num_layers=hf["num_hidden_layers"],
@@ -86,14 +151,14 @@ def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hidden // heads,
             mlp_dim=hf["intermediate_size"],
-            rope_theta=_rope_theta(hf),
-            # Defaults below are HF LlamaConfig's, for keys a config.json leaves out.
+            # Defaults below are HF's own, for keys a config.json leaves out.
             norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_embeddings=hf.get("tie_word_embeddings", False),
+            tie_embeddings=hf.get("tie_word_embeddings", gemma or family == "qwen3"),
             max_seq_len=hf.get("max_position_embeddings", 2048),
             init_std=hf.get("initializer_range", 0.02),
             dtype="float32",
             param_dtype="float32",
+            **features,
         )
     except ValidationError as err:
         first = err.errors()[0]
@@ -105,43 +170,92 @@ def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
 def check_hf_config(hf: dict, cfg: ModelConfig) -> None:
     """Raise a UserError naming the first model field where `cfg` and the HF config differ."""
     theirs = model_config_from_hf(hf, cfg.name)
-    for field, hf_key in _HF_KEYS.items():
+    for field in ModelConfig.model_fields:
+        if field in _FREE_FIELDS:
+            continue
         a, b = getattr(cfg, field), getattr(theirs, field)
         same = math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) else a == b
         if not same:
-            raise UserError(
-                f"HF checkpoint does not fit the model config: model.{field} is {a!r} "
-                f"but the checkpoint's {hf_key} is {b!r}"
-            )
+            where = f"the checkpoint's {_HF_KEYS[field]}" if field in _HF_KEYS else "the checkpoint"
+            raise UserError(f"HF checkpoint does not fit the model config: model.{field} is {a!r} but {where} gives {b!r}")
 
 
-def _check_supported(hf: dict) -> None:
-    archs = hf.get("architectures") or []
-    model_type = hf.get("model_type", "llama")
-    if model_type != "llama" or any(a != "LlamaForCausalLM" for a in archs):
-        what = ", ".join(archs) or f"model_type {model_type!r}"
-        raise UserError(f"HF checkpoint is {what}; maxpipe converts Llama models only (LlamaForCausalLM)")
-    if hf.get("rope_scaling"):
-        raise UserError(f"HF config sets rope_scaling {hf['rope_scaling']}; maxpipe supports plain RoPE only")
-    rope = hf.get("rope_parameters") or {}
-    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
-        raise UserError(f"HF config has per-layer rope_parameters {rope}; maxpipe supports one plain RoPE")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise UserError(f"HF config uses RoPE type {rope_type!r} ({rope}); maxpipe supports plain RoPE only")
-    rotary = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if rotary != 1.0:
-        raise UserError(f"HF config sets partial_rotary_factor {rotary}; maxpipe rotates the whole head")
-    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise UserError(f"HF config uses hidden_act {hf['hidden_act']!r}; maxpipe's MLP is SwiGLU (silu)")
+def _check_supported(hf: dict, family: str) -> None:
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if family.startswith("gemma") else "silu")
+    ok = ("gelu_pytorch_tanh", "gelu_tanh", "gelu") if family.startswith("gemma") else ("silu", "swish")
+    if act not in ok:  # Gemma 1 configs say "gelu" and mean the tanh approximation, as transformers does
+        raise UserError(f"HF config uses activation {act!r}; maxpipe's {family} MLP is {_FIXED[family]['activation']}")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise UserError(f"HF config sets {key}: true; maxpipe's projections have no bias")
+    if family == "qwen3" and hf.get("use_sliding_window"):
+        raise UserError("HF Qwen3 config sets use_sliding_window: true; maxpipe supports Qwen3 with full attention only")
+    if hf.get("use_bidirectional_attention"):
+        raise UserError("HF config sets use_bidirectional_attention; maxpipe's decoder is causal")
 
 
-def _rope_theta(hf: dict) -> float:
-    rope = hf.get("rope_parameters") or {}
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def _layer_pattern(hf: dict, family: str) -> tuple[int, int]:
+    """(sliding_window, global_every) from a config's sliding_window and layer types."""
+    window = hf.get("sliding_window") or 0
+    if family not in ("mistral", "gemma2", "gemma3") or not window:
+        return 0, 0
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        every = {"mistral": 0, "gemma2": 2}.get(family, hf.get("sliding_window_pattern", 6))
+        types = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    is_global = [t == "full_attention" for t in types]
+    if all(is_global):
+        return 0, 0
+    every = is_global.index(True) + 1 if any(is_global) else 0
+    if is_global != [bool(every) and (i + 1) % every == 0 for i in range(n)] or len(types) != n:
+        raise UserError(f"HF config has layer_types {types}; maxpipe supports every Nth layer global, the rest sliding")
+    return window, every
+
+
+def _rope_fields(hf: dict, family: str) -> dict:
+    """RoPE base, scaling and (Gemma 3) local base from rope_parameters (transformers 5) or rope_theta/rope_scaling."""
+    params = hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise UserError(f"HF config has rope_parameters {params!r}; expected a JSON object")
+    fields: dict[str, Any] = {}
+    if family == "gemma3":
+        glob = params.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1e6), **(hf.get("rope_scaling") or {})}
+        local = params.get("sliding_attention") or {"rope_theta": hf.get("rope_local_base_freq", 1e4)}
+        if local.get("rope_type", "default") != "default":
+            raise UserError(f"HF config scales local RoPE ({local}); maxpipe supports plain RoPE on local layers")
+        fields["rope_local_theta"] = float(local.get("rope_theta", 1e4))
+    else:
+        if any(isinstance(v, dict) for v in params.values()):
+            raise UserError(f"HF config has per-layer rope_parameters {params}; maxpipe supports one RoPE for {family}")
+        glob = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}), **params}
+    rope_type = glob.get("rope_type", glob.get("type", "default"))
+    rotary = glob.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if rotary != 1.0:
+        raise UserError(f"HF config sets partial_rotary_factor {rotary}; maxpipe rotates the whole head")
+    fields["rope_theta"] = float(glob.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        return fields | _ROPE_DEFAULTS
+    if rope_type == "linear":
+        return fields | _ROPE_DEFAULTS | {"rope_scaling": "linear", "rope_factor": float(glob["factor"])}
+    if rope_type == "llama3":
+        return fields | {
+            "rope_scaling": "llama3", "rope_factor": float(glob["factor"]),
+            "rope_low_freq_factor": float(glob["low_freq_factor"]),
+            "rope_high_freq_factor": float(glob["high_freq_factor"]),
+            "rope_original_max_len": int(glob["original_max_position_embeddings"]),
+        }
+    raise UserError(f"HF config uses RoPE type {rope_type!r} ({glob}); maxpipe supports default, linear and llama3")
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raise a UserError when the model has a feature its model.family has no place for in HF."""
+    for field, value in _FIXED[cfg.family].items():
+        if getattr(cfg, field) != value:
+            raise UserError(
+                f"model.family {cfg.family} fixes model.{field} to {value!r} (the config has {getattr(cfg, field)!r}); "
+                f"pick the family whose HF architecture has this feature"
+            )
 
 
 # ---------------------------------------------------------------------------------------- layout
@@ -187,7 +301,21 @@ def _layout(cfg: ModelConfig) -> list[_Tensor]:
         _Tensor(("layers", "attn", "v_proj", "kernel"), layer + "self_attn.v_proj.weight", (kv, d),
                 *heads_in(cfg.num_kv_heads)),
         _Tensor(("layers", "attn", "o_proj", "kernel"), layer + "self_attn.o_proj.weight", (d, q), *heads_out),
-        _Tensor(("layers", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", (d,), same, same),
+    ]
+    if cfg.qk_norm:
+        specs += [
+            _Tensor(("layers", "attn", "q_norm", "scale"), layer + "self_attn.q_norm.weight", (hd,), same, same),
+            _Tensor(("layers", "attn", "k_norm", "scale"), layer + "self_attn.k_norm.weight", (hd,), same, same),
+        ]
+    if cfg.post_norms:  # Gemma 2/3 name the norm after attention post_attention_layernorm, unlike Llama
+        specs += [
+            _Tensor(("layers", "attn_post_norm", "scale"), layer + "post_attention_layernorm.weight", (d,), same, same),
+            _Tensor(("layers", "mlp_norm", "scale"), layer + "pre_feedforward_layernorm.weight", (d,), same, same),
+            _Tensor(("layers", "mlp_post_norm", "scale"), layer + "post_feedforward_layernorm.weight", (d,), same, same),
+        ]
+    else:
+        specs.append(_Tensor(("layers", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", (d,), same, same))
+    specs += [
         _Tensor(("layers", "mlp", "gate_proj", "kernel"), layer + "mlp.gate_proj.weight", (m, d), t, t),
         _Tensor(("layers", "mlp", "up_proj", "kernel"), layer + "mlp.up_proj.weight", (m, d), t, t),
         _Tensor(("layers", "mlp", "down_proj", "kernel"), layer + "mlp.down_proj.weight", (d, m), t, t),
@@ -196,6 +324,26 @@ def _layout(cfg: ModelConfig) -> list[_Tensor]:
     if not cfg.tie_embeddings:
         specs.append(_Tensor(("lm_head", "kernel"), "lm_head.weight", (v, d), t, t))
     return specs
+
+
+def _as_bits(x: np.ndarray) -> np.ndarray:
+    """The same memory viewed as unsigned ints of the item size."""
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def _copy_converted(out: np.ndarray, w: np.ndarray, to_ours: Callable[[np.ndarray], np.ndarray]) -> None:
+    """out[...] = to_ours(w); a transpose is copied in blocks of rows, ~3x faster than numpy's strided copy."""
+    view = to_ours(w)
+    if w.ndim != 2 or view.flags.c_contiguous:
+        out[...] = view
+        return
+    flat = out.reshape(w.shape[::-1])  # every transposing to_ours is w.T reshaped
+    for i in range(0, w.shape[0], 128):
+        flat[:, i : i + 128] = w[i : i + 128].T
+
+
+def _ours_shape(spec: _Tensor) -> tuple[int, ...]:
+    return spec.to_ours(np.empty(spec.hf_shape, np.uint8)).shape
 
 
 def _hf_names(spec: _Tensor, cfg: ModelConfig) -> list[str]:
@@ -217,6 +365,7 @@ class _SafetensorsFile:
         except (struct.error, json.JSONDecodeError, UnicodeDecodeError, MemoryError, OverflowError):
             raise UserError(f"{path}: not a safetensors file") from None
         self.data_start = 8 + n
+        self.size = path.stat().st_size
         self.tensors: dict[str, dict] = {k: v for k, v in header.items() if k != "__metadata__"}
 
     def read(self, name: str) -> np.ndarray:
@@ -224,12 +373,46 @@ class _SafetensorsFile:
         if info["dtype"] not in _ST_TO_NP:
             raise UserError(f"{self.path}: tensor {name} has dtype {info['dtype']}; expected a float dtype")
         begin, end = info["data_offsets"]
+        dtype = np.dtype(_ST_TO_NP[info["dtype"]])
+        count = (end - begin) // dtype.itemsize
+        if count != math.prod(info["shape"]) or self.data_start + end > self.size:
+            raise UserError(f"{self.path}: file is truncated or corrupt (tensor {name})")
+        # Map just this tensor's pages: the caller copies from the page cache into its output, no read
+        # buffer, and the mapping goes when the returned array does (so RSS holds one tensor at most).
+        start = self.data_start + begin
+        aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        if end == begin:
+            return np.empty(info["shape"], dtype)
         with open(self.path, "rb") as f:
-            f.seek(self.data_start + begin)
-            data = f.read(end - begin)
-        if len(data) != end - begin:
-            raise UserError(f"{self.path}: file is truncated (tensor {name})")
-        return np.frombuffer(data, np.dtype(_ST_TO_NP[info["dtype"]])).reshape(info["shape"])
+            mapped = mmap.mmap(f.fileno(), start - aligned + end - begin, offset=aligned, access=mmap.ACCESS_READ)
+        return np.frombuffer(mapped, dtype, count, offset=start - aligned).reshape(info["shape"])
+
+
+class _PickleFile:
+    """Tensors of a PyTorch state-dict file, read with torch's restricted (weights_only) unpickler, memory-mapped."""
+
+    def __init__(self, path: Path):
+        try:
+            import torch
+        except ImportError:
+            raise UserError(f"{path}: reading PyTorch pickle weights needs torch installed") from None
+        self.path = path
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # noqa: BLE001 - torch raises many kinds for a bad or unsafe file
+            raise UserError(f"{path}: cannot read as a PyTorch state dict ({type(err).__name__}: {err})") from None
+        self._state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        self.tensors = {k: {"shape": list(v.shape)} for k, v in self._state.items()}
+
+    def read(self, name: str) -> np.ndarray:
+        import torch
+
+        t = self._state[name]
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.dtype("bfloat16"))
+        if not t.dtype.is_floating_point:
+            raise UserError(f"{self.path}: tensor {name} has dtype {t.dtype}; expected a float dtype")
+        return t.numpy()
 
 
 def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]],
@@ -253,30 +436,24 @@ def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], Cal
     return offset
 
 
-def _open_checkpoint(hf_dir: Path) -> dict[str, _SafetensorsFile]:
-    """Map every tensor name in the checkpoint to the file holding it."""
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map", {})
-        paths = sorted({hf_dir / f for f in weight_map.values()})
-        missing = [p.name for p in paths if not p.is_file()]
-        if missing:
-            raise UserError(f"{index} lists {missing[0]}, which is missing from {hf_dir}")
-    elif (hf_dir / "model.safetensors").is_file():
-        paths = [hf_dir / "model.safetensors"]
-    else:
-        paths = sorted(hf_dir.glob("*.safetensors"))
+def _open_checkpoint(hf_dir: Path, allow_pickle: bool = False) -> dict[str, _SafetensorsFile | _PickleFile]:
+    """Map every tensor name in the checkpoint to the file holding it (safetensors; pickles only when allowed)."""
+    paths = _weight_files(hf_dir, "model.safetensors", ("*.safetensors",))
+    reader: type[_SafetensorsFile | _PickleFile] = _SafetensorsFile
     if not paths:
-        pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES) if hf_dir.is_dir() else []
-        if pickles:
+        pickles = _weight_files(hf_dir, "pytorch_model.bin", tuple(f"*{s}" for s in _PICKLE_SUFFIXES))
+        if pickles and not allow_pickle:
             raise UserError(
-                f"{hf_dir} holds only PyTorch pickle weights ({', '.join(pickles)}); maxpipe reads safetensors only, "
-                f"since unpickling can run arbitrary code: convert them to safetensors in a trusted environment"
+                f"{hf_dir} holds only PyTorch pickle weights ({', '.join(p.name for p in pickles)}); maxpipe reads "
+                f"safetensors only, since unpickling can run arbitrary code: convert them to safetensors in a trusted "
+                f"environment, or pass allow_pickle=True for a checkpoint you trust"
             )
-        raise UserError(f"no safetensors weights in {hf_dir}")
-    files: dict[str, _SafetensorsFile] = {}
+        if not pickles:
+            raise UserError(f"no safetensors weights in {hf_dir}")
+        paths, reader = pickles, _PickleFile
+    files: dict[str, _SafetensorsFile | _PickleFile] = {}
     for path in paths:
-        st = _SafetensorsFile(path)
+        st = reader(path)
         for name in st.tensors:
             if name in files:
                 raise UserError(f"tensor {name} appears in both {files[name].path.name} and {path.name}")
@@ -284,13 +461,36 @@ def _open_checkpoint(hf_dir: Path) -> dict[str, _SafetensorsFile]:
     return files
 
 
+def _weight_files(hf_dir: Path, single: str, patterns: tuple[str, ...]) -> list[Path]:
+    """The files of a sharded checkpoint's `{single}.index.json`, else `single`, else every file matching patterns."""
+    index = hf_dir / f"{single}.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map", {})
+        paths = sorted({hf_dir / f for f in weight_map.values()})
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            raise UserError(f"{index} lists {missing[0]}, which is missing from {hf_dir}")
+        return paths
+    if (hf_dir / single).is_file():
+        return [hf_dir / single]
+    return sorted({p for pattern in patterns for p in hf_dir.glob(pattern)}) if hf_dir.is_dir() else []
+
+
 # ---------------------------------------------------------------------------------------- ingest
 
 
-def load_hf_params(hf_dir: str | Path, cfg: ModelConfig) -> dict:
-    """Read a HF Llama safetensors checkpoint into our (scanned, numpy, cfg.param_dtype) param tree."""
+def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool = False) -> dict:
+    """Read a HF safetensors checkpoint into our (scanned, numpy, cfg.param_dtype) param tree."""
+    params: dict = {}
+    for spec, value in _converted_params(hf_dir, cfg, allow_pickle):
+        _put(params, spec.path, value)
+    return params
+
+
+def _converted_params(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Iterator[tuple[_Tensor, np.ndarray]]:
+    """Each parameter of the layout in turn, converted (stacked over layers where scanned); checks names and shapes."""
     hf_dir = Path(hf_dir)
-    files = _open_checkpoint(hf_dir)
+    files = _open_checkpoint(hf_dir, allow_pickle)
     dtype = np.dtype(cfg.param_dtype)
     layout = _layout(cfg)
     expected = {name for spec in layout for name in _hf_names(spec, cfg)}
@@ -312,26 +512,72 @@ def load_hf_params(hf_dir: str | Path, cfg: ModelConfig) -> dict:
                 f"HF checkpoint does not fit the model config: parameter {name} is {tuple(w.shape)} "
                 f"in the checkpoint but {spec.hf_shape} in the model"
             )
-        return np.array(spec.to_ours(w), dtype=dtype, order="C")
+        return _as_bits(w) if w.dtype == dtype else w
 
-    params: dict = {}
     for spec in layout:
         names = _hf_names(spec, cfg)
-        value = read(spec, names[0])
-        if spec.stacked:  # fill one preallocated array, layer by layer
-            first, value = value, np.empty((len(names), *value.shape), dtype)
-            value[0] = first
-            for i, name in enumerate(names[1:], 1):
-                value[i] = read(spec, name)
-        node = params
-        for key in spec.path[:-1]:
-            node = node.setdefault(key, {})
-        node[spec.path[-1]] = value
-    return params
+        shape = _ours_shape(spec)
+        value = np.empty((len(names), *shape) if spec.stacked else shape, dtype)
+        # Same dtype: copy the bits as unsigned ints (numpy's strided copy of bfloat16 is several times slower).
+        for i, name in enumerate(names):
+            w = read(spec, name)
+            out = value[i] if spec.stacked else value
+            _copy_converted(_as_bits(out) if w.dtype.kind == "u" else out, w, spec.to_ours)
+        yield spec, value
 
 
-def ingest(hf_dir: str | Path, out_dir: str | Path, cfg: ModelConfig, log: Log = print) -> dict:
-    """Check a HF Llama checkpoint against `cfg`, convert it and save it as param-only Orbax at out_dir/params."""
+def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps it otherwise, and RSS creeps up part by part)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _save_in_parts(out_dir: Path, params: Iterator[tuple[_Tensor, np.ndarray]], budget: int) -> Path:
+    """Save converted parameters into one Orbax checkpoint at out_dir/params, about `budget` bytes at a time.
+
+    Uses Orbax's partial save, so only one part is in memory at once. Its layout keeps the tree in the
+    `state` item, which is the param-only checkpoint that trainer.checkpoint.load_params reads.
+    """
+    from orbax.checkpoint.experimental import v1 as ocp_v1
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = out_dir / "params-staging"
+    for old in out_dir.glob("params-staging*"):
+        shutil.rmtree(old)
+    cpu = jax.devices("cpu")[0]
+    part: dict = {}
+    size = 0
+    for spec, value in params:
+        _put(part, spec.path, value)
+        size += value.nbytes
+        if size >= budget:
+            ocp_v1.partial.save(staging, jax.device_put(part, cpu))
+            part, size = {}, 0
+            _release_freed_memory()
+    if part:
+        ocp_v1.partial.save(staging, jax.device_put(part, cpu))
+    ocp_v1.partial.finalize(staging)
+    tree = staging / "state"
+    if not (tree / "_METADATA").is_file():
+        raise RuntimeError(f"Orbax's partial save left no pytree at {tree}: its layout changed; update _save_in_parts")
+    target = out_dir / PARAMS_DIR
+    if target.exists():
+        shutil.rmtree(target)
+    tree.rename(target)
+    shutil.rmtree(staging)
+    return target
+
+
+def ingest(hf_dir: str | Path, out_dir: str | Path, cfg: ModelConfig, log: Log = print, allow_pickle: bool = False) -> dict:
+    """Check a HF checkpoint against `cfg`, convert it and save it as param-only Orbax at out_dir/params."""
     hf = read_hf_config(hf_dir)
     check_hf_config(hf, cfg)
     hf_max = hf.get("max_position_embeddings")
@@ -339,12 +585,14 @@ def ingest(hf_dir: str | Path, out_dir: str | Path, cfg: ModelConfig, log: Log =
         log(f"ingest: note: model.max_seq_len {cfg.max_seq_len} exceeds the checkpoint's "
             f"max_position_embeddings {hf_max}")
     log(f"ingest: converting {hf_dir} to {cfg.param_dtype}")
-    params = load_hf_params(hf_dir, cfg)
-    n = param_count(params)
-    path = save_params(out_dir, params)
+    # Parts of an eighth of the model (or its largest parameter) bound memory to about two parts.
+    counts = [math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg))]
+    n, itemsize = sum(counts), np.dtype(cfg.param_dtype).itemsize
+    path = _save_in_parts(Path(out_dir), _converted_params(hf_dir, cfg, allow_pickle), max(max(counts), n // 8) * itemsize)
     log(f"ingest: {n:,} parameters written to {path}")
     return {
         "source": str(hf_dir),
+        "family": cfg.family,
         "parameters": n,
         "hf_config": {k: hf[k] for k in _SUMMARY_KEYS if k in hf},
         "dtype": cfg.param_dtype,
@@ -356,7 +604,8 @@ def ingest(hf_dir: str | Path, out_dir: str | Path, cfg: ModelConfig, log: Log =
 
 def export_hf(params: Any, cfg: ModelConfig, tokenizer_dir: str | Path | None, out_dir: str | Path,
               log: Log = print) -> dict:
-    """Write `params` as a HF LlamaForCausalLM directory (config, safetensors, tokenizer), replacing out_dir whole."""
+    """Write `params` as a HF directory of model.family's architecture (config, safetensors, tokenizer), replacing out_dir whole."""
+    check_exportable(cfg)
     check_shapes(params, abstract_params(cfg))
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -401,9 +650,10 @@ def _fetch(leaf: Any, layer: int | None, to_hf: Callable[[np.ndarray], np.ndarra
 
 
 def _hf_config(cfg: ModelConfig, bos: int | None, eos: int | None) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    arch, model_type = FAMILIES[cfg.family]
+    config: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.emb_dim,
         "intermediate_size": cfg.mlp_dim,
@@ -411,12 +661,9 @@ def _hf_config(cfg: ModelConfig, bos: int | None, eos: int | None) -> dict:
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": "silu" if cfg.activation == "silu" else "gelu_pytorch_tanh",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        # transformers 5 reads rope_parameters, 4.x reads rope_theta.
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -430,6 +677,42 @@ def _hf_config(cfg: ModelConfig, bos: int | None, eos: int | None) -> dict:
         "dtype": cfg.param_dtype,
         "torch_dtype": cfg.param_dtype,
     }
+    # transformers 5 reads rope_parameters, 4.x reads rope_theta and rope_scaling.
+    rope = _hf_rope(cfg)
+    config["rope_theta"] = cfg.rope_theta
+    if rope["rope_type"] != "default":
+        config["rope_scaling"] = rope
+    config["rope_parameters"] = rope
+    if cfg.family == "gemma3":
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+        config["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+        config["rope_local_base_freq"] = local["rope_theta"]
+    if cfg.family in ("gemma2", "gemma3"):
+        config["hidden_activation"] = config["hidden_act"]
+        scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+        config["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar  # HF checks the type
+        config["attn_logit_softcapping"] = cfg.attn_softcap or None
+        config["final_logit_softcapping"] = cfg.final_softcap or None
+    if cfg.family in ("mistral", "gemma2", "gemma3"):
+        config["sliding_window"] = cfg.sliding_window or None
+    if cfg.family in ("gemma2", "gemma3"):
+        # HF needs a window even with every layer global; it is then unused.
+        config["sliding_window"] = cfg.sliding_window or cfg.max_seq_len
+        config["layer_types"] = ["full_attention" if g else "sliding_attention" for g in layer_is_global(cfg)]
+    if cfg.family == "qwen3":
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    return config
+
+
+def _hf_rope(cfg: ModelConfig) -> dict:
+    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
+                            "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling != "none":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_len)
+    return rope
 
 
 def _export_tokenizer(tokenizer_dir: Path, dest: Path, cfg: ModelConfig) -> dict:

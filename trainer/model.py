@@ -1,25 +1,37 @@
-"""A Llama-style decoder in Flax: RMSNorm, RoPE, grouped-query attention, SwiGLU, scanned layers.
+"""A decoder-only transformer in Flax covering the Llama, Mistral, Qwen3 and Gemma 1/2/3 families.
+
+One module, switched by config features (see the `model:` section of configs/base.yml): RMSNorm
+(optionally (1 + w), Gemma), RoPE (plain, linear or Llama 3.1 scaled; its own base on local layers),
+grouped-query attention (optional QK-norm, query pre-attention scalar, logit soft-capping, sliding
+window on local layers), gated MLP (SwiGLU or GeGLU), optional post-attention/post-MLP norms,
+embedding scaling and final logit soft-capping, and an optional KV cache for decoding.
 
 Every parameter carries logical axis names (embed, heads, kv, mlp, vocab, layers); `sharding.py`
 maps them onto the device mesh. The layer stack is one `nn.scan`, so parameters of the blocks are
-stacked along a leading `layers` axis:
+stacked along a leading `layers` axis; whether a layer is local or global is a scanned input:
 
     embed/embedding                     [vocab, embed]
     layers/attn_norm/scale              [layers, embed]
     layers/attn/{q,k,v}_proj/kernel     [layers, embed, heads|kv_heads, head_dim]
+    layers/attn/{q,k}_norm/scale        [layers, head_dim]     (qk_norm)
     layers/attn/o_proj/kernel           [layers, heads, head_dim, embed]
+    layers/attn_post_norm/scale         [layers, embed]        (post_norms)
     layers/mlp_norm/scale               [layers, embed]
     layers/mlp/{gate,up}_proj/kernel    [layers, embed, mlp]
     layers/mlp/down_proj/kernel         [layers, mlp, embed]
+    layers/mlp_post_norm/scale          [layers, embed]        (post_norms)
     final_norm/scale                    [embed]
     lm_head/kernel                      [embed, vocab]   (absent with tie_embeddings)
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+import numpy as np
 
 from configs import ModelConfig
 
@@ -51,27 +63,64 @@ def _init(cfg: ModelConfig, axes: tuple[str | None, ...]) -> nn.initializers.Ini
     return nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), axes)
 
 
+def _softcap(x: Array, cap: float) -> Array:
+    return cap * jnp.tanh(x / cap) if cap else x
+
+
+def layer_is_global(cfg: ModelConfig) -> np.ndarray:
+    """Per layer: True where it attends to the whole context, False where it uses the sliding window."""
+    i = np.arange(cfg.num_layers)
+    if not cfg.sliding_window:
+        return np.ones(cfg.num_layers, bool)
+    return (i + 1) % cfg.global_every == 0 if cfg.global_every else np.zeros(cfg.num_layers, bool)
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as in HF Llama."""
+    """Root-mean-square norm computed in float32, as in HF Llama; times (1 + scale) when plus_one (Gemma)."""
 
     eps: float
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    plus_one: bool = False
+    axis_name: str = "embed"
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (x.shape[-1],), self.param_dtype
+            "scale", nn.with_logical_partitioning(init, (self.axis_name,)), (x.shape[-1],), self.param_dtype
         )
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+        return (y * (scale.astype(jnp.float32) + (1.0 if self.plus_one else 0.0))).astype(self.dtype)
 
 
-def rope(x: Array, positions: Array, theta: float) -> Array:
+def _norm(cfg: ModelConfig, name: str, axis_name: str = "embed") -> RMSNorm:
+    return RMSNorm(cfg.norm_eps, _dtype(cfg.dtype), _dtype(cfg.param_dtype), cfg.norm_plus_one, axis_name, name=name)
+
+
+def rope_frequencies(cfg: ModelConfig, local: bool) -> np.ndarray:
+    """float32 inverse frequencies [head_dim / 2] of a local or global layer, computed as HF does."""
+    dim = cfg.head_dim
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv = (1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))).astype(np.float32)
+    scaling = "none" if local and cfg.rope_local_theta else cfg.rope_scaling
+    if scaling == "linear":
+        inv = inv / np.float32(cfg.rope_factor)
+    elif scaling == "llama3":  # Llama 3.1: stretch low frequencies by `factor`, keep high ones, blend between
+        factor, old = cfg.rope_factor, cfg.rope_original_max_len
+        low_wavelen, high_wavelen = old / cfg.rope_low_freq_factor, old / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, blended, scaled)
+    return inv.astype(np.float32)
+
+
+def rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     """Rotary embedding on [batch, seq, heads, head_dim], rotating the two halves (HF Llama layout)."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, seq, half]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -85,16 +134,45 @@ def attention_mask(segment_ids: Array | None) -> Array | None:
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict[str, Array]:
+    """An empty KV cache of `length` slots: per-layer keys/values, each slot's position (-1 = empty), next slot."""
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return {
+        "k": jnp.zeros(shape, _dtype(cfg.dtype)),
+        "v": jnp.zeros(shape, _dtype(cfg.dtype)),
+        "pos": jnp.full((batch, length), -1, jnp.int32),
+        "index": jnp.int32(0),
+    }
+
+
+def _dot_attention(q: Array, k: Array, v: Array, mask: Array | None, causal: bool, scale: float, cap: float) -> Array:
+    """Grouped-query attention [batch, q, heads, dim] x [batch, k, kv_heads, dim]; mask is [batch, 1, q, k]."""
+    if not cap:  # jax.nn.dot_product_attention handles grouped kv heads and picks cuDNN flash attention on GPU.
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale)
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = _softcap(scores, cap)
+    if causal:
+        mask = jnp.tril(jnp.ones((t, k.shape[1]), bool))[None, None] & (True if mask is None else mask)
+    if mask is not None:
+        scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+
+
 class Attention(nn.Module):
-    """Grouped-query causal self-attention."""
+    """Grouped-query causal self-attention, optionally reading and extending a KV cache."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, mask: Array | None) -> Array:
+    def __call__(
+        self, x: Array, positions: Array, mask: Array | None, is_global: Array, kv: dict | None, index: Array | None
+    ) -> tuple[Array, dict | None]:
         cfg = self.cfg
         dtype, pdtype = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
-
         tokens = _tokens(x)
 
         def proj(name: str, heads: int, head_axis: str) -> Array:
@@ -103,20 +181,30 @@ class Attention(nn.Module):
                 kernel_init=_init(cfg, ("embed", head_axis, "head_dim")), name=name,
             )(tokens).reshape(*x.shape[:2], heads, cfg.head_dim)
 
-        q = rope(proj("q_proj", cfg.num_heads, "heads"), positions, cfg.rope_theta)
-        k = rope(proj("k_proj", cfg.num_kv_heads, "kv_heads"), positions, cfg.rope_theta)
+        q, k = proj("q_proj", cfg.num_heads, "heads"), proj("k_proj", cfg.num_kv_heads, "kv_heads")
         v = proj("v_proj", cfg.num_kv_heads, "kv_heads")
+        if cfg.qk_norm:
+            q, k = _norm(cfg, "q_norm", "head_dim")(q), _norm(cfg, "k_norm", "head_dim")(k)
+        inv_freq = jnp.where(is_global, rope_frequencies(cfg, local=False), rope_frequencies(cfg, local=True))
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
-        # jax.nn.dot_product_attention handles grouped kv heads and picks cuDNN flash attention on GPU.
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
-        return nn.DenseGeneral(
+        if kv is not None:  # write this step's keys/values at slot `index`, attend over the whole cache
+            k = jax.lax.dynamic_update_slice(kv["k"], k.astype(kv["k"].dtype), (0, index, 0, 0))
+            v = jax.lax.dynamic_update_slice(kv["v"], v.astype(kv["v"].dtype), (0, index, 0, 0))
+            kv = {"k": k, "v": v}
+        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        # Without a cache or a window, causality is the plain lower triangle (cuDNN's fast path).
+        causal = kv is None and not cfg.sliding_window
+        out = _dot_attention(q, k, v, mask, causal, scale, cfg.attn_softcap)
+        out = nn.DenseGeneral(
             cfg.emb_dim, axis=(-2, -1), use_bias=False, dtype=dtype, param_dtype=pdtype,
             kernel_init=_init(cfg, ("heads", "head_dim", "embed")), name="o_proj",
         )(_tokens(out)).reshape(x.shape)
+        return out, kv
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward."""
+    """Gated feed-forward: SwiGLU (silu) or GeGLU (gelu_tanh)."""
 
     cfg: ModelConfig
 
@@ -127,34 +215,72 @@ class MLP(nn.Module):
             feats, use_bias=False, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
             kernel_init=_init(cfg, axes), name=name,
         )
+        act = nn.silu if cfg.activation == "silu" else lambda h: nn.gelu(h, approximate=True)
         tokens = _tokens(x)
-        h = nn.silu(dense(cfg.mlp_dim, ("embed", "mlp"), "gate_proj")(tokens)) * dense(cfg.mlp_dim, ("embed", "mlp"), "up_proj")(tokens)
+        h = act(dense(cfg.mlp_dim, ("embed", "mlp"), "gate_proj")(tokens)) * dense(cfg.mlp_dim, ("embed", "mlp"), "up_proj")(tokens)
         h = nn.with_logical_constraint(h, ("batch", "mlp"))
         return dense(cfg.emb_dim, ("mlp", "embed"), "down_proj")(h).reshape(x.shape)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; shaped for `nn.scan` (returns (carry, None))."""
+    """Pre-norm transformer block; shaped for `nn.scan` (carry x; scanned is_global and KV cache in, cache out)."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, mask: Array | None) -> tuple[Array, None]:
+    def __call__(
+        self, x: Array, positions: Array, masks: dict, index: Array | None, is_global: Array, kv: dict | None
+    ) -> tuple[Array, dict | None]:
         cfg = self.cfg
-        norm = lambda name: RMSNorm(cfg.norm_eps, _dtype(cfg.dtype), _dtype(cfg.param_dtype), name=name)  # noqa: E731
-        x = x + Attention(cfg, name="attn")(norm("attn_norm")(x), positions, mask)
-        x = x + MLP(cfg, name="mlp")(norm("mlp_norm")(x))
-        return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
+        if len(masks) == 2:  # local and global layers: this layer's kind is a scanned input
+            mask = jnp.where(is_global, masks["global"], masks["local"])
+        else:
+            (mask,) = masks.values()
+        h, kv = Attention(cfg, name="attn")(_norm(cfg, "attn_norm")(x), positions, mask, is_global, kv, index)
+        x = x + (_norm(cfg, "attn_post_norm")(h) if cfg.post_norms else h)
+        h = MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x))
+        x = x + (_norm(cfg, "mlp_post_norm")(h) if cfg.post_norms else h)
+        return nn.with_logical_constraint(x, ("batch", "length", "embed")), kv
+
+
+def _masks(cfg: ModelConfig, positions: Array, segment_ids: Array | None, cache: dict | None) -> tuple[dict, Array | None]:
+    """Attention masks [batch, 1, q, k] for global and/or local layers, and the cache's slot positions."""
+    kinds = set(layer_is_global(cfg).tolist())
+    if cache is None and not cfg.sliding_window:
+        return {"global": attention_mask(segment_ids)}, None
+    q_pos = positions
+    if cache is None:
+        k_pos = positions
+        n = positions.shape[1]
+        mask = jnp.tril(jnp.ones((n, n), bool))[None]
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    else:  # slots up to the last new token that hold a position (left padding has none)
+        k_pos = jax.lax.dynamic_update_slice(cache["pos"], positions.astype(jnp.int32), (0, cache["index"]))
+        q_slot = cache["index"] + jnp.arange(positions.shape[1])
+        mask = (jnp.arange(k_pos.shape[1])[None, :] <= q_slot[:, None])[None] & (k_pos >= 0)[:, None, :]
+    masks = {}
+    if True in kinds:
+        masks["global"] = mask[:, None]
+    if False in kinds:
+        masks["local"] = (mask & (q_pos[:, :, None] - k_pos[:, None, :] < cfg.sliding_window))[:, None]
+    return masks, (k_pos if cache is not None else None)
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM: tokens [batch, seq] -> float32 logits [batch, seq, vocab]."""
+    """Decoder-only LM: tokens [batch, seq] -> float32 logits [batch, seq, vocab].
+
+    With `cache` (from `init_cache`), the tokens are written to the cache from slot cache["index"] on,
+    attend to everything cached before them, and the call returns (logits, updated cache).
+    """
 
     cfg: ModelConfig
     remat: str = "none"  # a key of REMAT_POLICIES
 
     @nn.compact
-    def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
+    def __call__(
+        self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None, cache: dict | None = None
+    ) -> Array | tuple[Array, dict]:
         cfg = self.cfg
         dtype, pdtype = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
         if positions is None:
@@ -163,17 +289,23 @@ class Transformer(nn.Module):
             cfg.vocab_size, cfg.emb_dim, dtype=dtype, param_dtype=pdtype,
             embedding_init=_init(cfg, ("vocab", "embed")), name="embed",
         )
-        x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
+        x = embed(tokens)
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(cfg.emb_dim), dtype)
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        masks, slot_pos = _masks(cfg, positions, segment_ids, cache)
         block = Block
         if self.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         layers = nn.scan(
             block, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, 0), length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, _ = layers(cfg, name="layers")(x, positions, attention_mask(segment_ids))
-        x = _tokens(RMSNorm(cfg.norm_eps, dtype, pdtype, name="final_norm")(x))
+        kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+        index = None if cache is None else cache["index"]
+        x, kv = layers(cfg, name="layers")(x, positions, masks, index, jnp.asarray(layer_is_global(cfg)), kv)
+        x = _tokens(_norm(cfg, "final_norm")(x))
         if cfg.tie_embeddings:
             logits = embed.attend(x)
         else:
@@ -181,8 +313,11 @@ class Transformer(nn.Module):
                 cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=pdtype,
                 kernel_init=_init(cfg, ("embed", "vocab")), name="lm_head",
             )(x)
-        logits = logits.reshape(*tokens.shape, cfg.vocab_size)
-        return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        logits = _softcap(logits.reshape(*tokens.shape, cfg.vocab_size).astype(jnp.float32), cfg.final_softcap)
+        logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+        if cache is None:
+            return logits
+        return logits, {**kv, "pos": slot_pos, "index": cache["index"] + tokens.shape[1]}
 
 
 def param_count(params: dict) -> int:

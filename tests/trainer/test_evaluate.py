@@ -229,10 +229,20 @@ def test_evaluate_end_to_end(tmp_path, cfg, params):
     make_hf_tokenizer(tmp_path / "tokenizer")
     records = sequences(3, seed=2)
     paths = [write_shard(tmp_path / "val-00000.array_record", records)]
-    eval_cfg = load_config("tiny").eval.model_copy(update={"prompt": "def add", "max_new_tokens": 5, "temperature": 0.0})
+    task = tmp_path / "arc_tiny.jsonl"
+    task.write_text("\n".join(json.dumps(ex) for ex in [
+        {"context": "def add(a, b):", "choices": ["\n    return a + b", " print('hi')"], "label": 0},
+        {"context": "def hello():", "choices": [" pass", "\n    print('hi')", " 42"], "label": 1},
+    ]))
+    eval_cfg = load_config("tiny").eval.model_copy(
+        update={"prompt": "def add", "max_new_tokens": 5, "temperature": 0.0, "tasks": [str(task)]}
+    )
     lines: list[str] = []
     got = evaluate(params, cfg, eval_cfg, tmp_path, log=lines.append)
-    assert set(got) == {"val_loss", "val_perplexity", "val_tokens", "prompt", "sample"}
+    assert set(got) == {"val_loss", "val_perplexity", "val_tokens", "prompt", "sample", "tasks"}
+    assert got["tasks"][0]["task"] == "arc_tiny" and got["tasks"][0]["examples"] == 2
+    assert "task arc_tiny: accuracy" in lines[-1]
+    lines = lines[:-1]
     assert got["val_loss"] == pytest.approx(validation_loss(params, cfg, paths, 8, 4)["loss"])
     tok = load_tokenizer(tmp_path / "tokenizer")
     ids = generate(params, cfg, tok.encode("def add"), 5, 0.0, 0, 0, tok.eos_id)
@@ -241,3 +251,31 @@ def test_evaluate_end_to_end(tmp_path, cfg, params):
 
     with pytest.raises(UserError, match="model.vocab_size"):
         evaluate(params, cfg.model_copy(update={"vocab_size": 100}), eval_cfg, tmp_path, log=lines.append)
+
+
+def test_loss_step_keeps_packed_documents_apart(cfg, params):
+    """A batch with segment_ids/positions (document packing) scores each document as if it were alone."""
+    from trainer.evaluate import _loss_step
+
+    rng = np.random.default_rng(4)
+    a, b = rng.integers(0, VOCAB, 20), rng.integers(0, VOCAB, 12)
+    step = _loss_step(cfg.model_dump_json())
+
+    def batch(tokens, segments, positions, n_targets):
+        inputs = np.asarray(tokens, np.int32)[None]
+        targets = np.roll(inputs, -1, axis=1)
+        mask = np.zeros_like(inputs, np.float32)
+        for start, stop in n_targets:
+            mask[0, start:stop] = 1
+        out = {"inputs": inputs, "targets": targets, "mask": mask}
+        if segments is not None:
+            out |= {"segment_ids": np.asarray([segments], np.int32), "positions": np.asarray([positions], np.int32)}
+        return out
+
+    packed = batch(np.concatenate([a, b]), [1] * 20 + [2] * 12, list(range(20)) + list(range(12)), [(0, 19), (20, 31)])
+    alone = [batch(a, None, None, [(0, 19)]), batch(b, None, None, [(0, 11)])]
+    total, count, _ = step(params, packed)
+    want = sum(float(step(params, x)[0]) for x in alone)
+    assert float(count) == 30 and float(total) == pytest.approx(want, rel=1e-5)
+    unpacked = {k: v for k, v in packed.items() if k not in ("segment_ids", "positions")}
+    assert float(step(params, unpacked)[0]) != pytest.approx(want, rel=1e-3)  # without them, b sees a

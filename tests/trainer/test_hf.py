@@ -108,10 +108,13 @@ def test_model_config_from_hf_reads_both_rope_spellings(hf_dir):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 8.0}}, "dynamic"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
-    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "MistralForCausalLM"),
+    ({"architectures": ["PhiForCausalLM"], "model_type": "phi"}, "PhiForCausalLM"),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "llama"}, "MistralForCausalLM"),
     ({"attention_bias": True}, "attention_bias"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"hidden_act": "gelu"}, "activation 'gelu'"),
 ])
 def test_unsupported_hf_configs_are_refused(hf_dir, change, message):
     with pytest.raises(UserError, match=message):
@@ -123,6 +126,7 @@ def test_ingest_matches_hf_logits(hf_dir, tmp_path, tokens):
     stats = ingest(hf_dir, tmp_path / "ours", cfg, log=lambda _: None)
     assert stats["parameters"] == 139_584 and stats["dtype"] == "float32"
     assert stats["hf_config"]["architectures"] == ["LlamaForCausalLM"]
+    assert [p.name for p in (tmp_path / "ours").iterdir()] == ["params"]  # written in parts; nothing else left
 
     params = load_params(tmp_path / "ours", abstract_params(cfg))
     ref = _torch_logits(LlamaForCausalLM.from_pretrained(hf_dir).eval(), tokens)
@@ -202,12 +206,15 @@ def test_bfloat16_checkpoint_round_trip(tmp_path):
     back = load_file(tmp_path / "back" / "model.safetensors")
     for name, tensor in original.items():
         assert back[name].dtype == torch.bfloat16 and torch.equal(tensor, back[name]), name
+    widened = load_hf_params(tmp_path / "hf", cfg.model_copy(update={"param_dtype": "float32"}))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b, np.float32)), widened, params)
+    assert widened["embed"]["embedding"].dtype == np.float32
 
 
 def test_config_mismatch_names_parameter_and_both_shapes(hf_dir):
     hf = read_hf_config(hf_dir)
     cfg = model_config_from_hf(hf).model_copy(update={"mlp_dim": 96})
-    with pytest.raises(UserError, match=r"model\.mlp_dim is 96 but the checkpoint's intermediate_size is 128"):
+    with pytest.raises(UserError, match=r"model\.mlp_dim is 96 but the checkpoint's intermediate_size gives 128"):
         check_hf_config(hf, cfg)
     shapes = r"model\.layers\.0\.mlp\.gate_proj\.weight is \(128, 64\) in the checkpoint but \(96, 64\) in the model"
     with pytest.raises(UserError, match=shapes):
@@ -242,3 +249,23 @@ def test_pickle_only_checkpoint_is_refused(hf_dir, tmp_path):
     cfg = model_config_from_hf(read_hf_config(tmp_path))
     with pytest.raises(UserError, match=r"pickle weights \(pytorch_model\.bin\).*safetensors only"):
         load_hf_params(tmp_path, cfg)
+
+
+def test_pickle_checkpoint_reads_only_when_allowed(hf_dir, tmp_path):
+    (tmp_path / "config.json").write_text((hf_dir / "config.json").read_text())
+    model = _hf_model(dtype=torch.bfloat16)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    cfg = model_config_from_hf(read_hf_config(tmp_path)).model_copy(update={"param_dtype": "bfloat16"})
+    with pytest.raises(UserError, match="allow_pickle=True"):
+        ingest(tmp_path, tmp_path / "out", cfg, log=lambda _: None)
+    model.save_pretrained(tmp_path / "st")
+    from_pickle = load_hf_params(tmp_path, cfg, allow_pickle=True)
+    jax.tree.map(np.testing.assert_array_equal, from_pickle, load_hf_params(tmp_path / "st", cfg))
+
+
+def test_truncated_safetensors_is_refused(hf_dir, tmp_path):
+    (tmp_path / "config.json").write_text((hf_dir / "config.json").read_text())
+    data = (hf_dir / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(UserError, match="truncated"):
+        load_hf_params(tmp_path, model_config_from_hf(read_hf_config(tmp_path)))

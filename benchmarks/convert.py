@@ -1,0 +1,128 @@
+"""HF -> Orbax ingest: throughput against reading the same safetensors bytes, and peak RSS against model size.
+
+    python benchmarks/convert.py [--emb 768] [--layers 8] [--dtype bfloat16]
+
+Writes a random Llama-shaped safetensors checkpoint of a few hundred MB (sharded, with an index),
+then, in the same run: (1) reads its bytes from disk (the anchor), (2) converts it in a subprocess
+(`load_hf_params`, then the whole `ingest` with the Orbax write) and reads the child's peak RSS
+(VmHWM) above its own baseline after imports and JAX's start-up. Goals: conversion throughput >= 0.5 x the raw read;
+peak RSS above baseline <= 0.5 x model size. Record the output in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _config(emb: int, layers: int, dtype: str):
+    from configs import load_config
+
+    return load_config("tiny", [
+        f"model.emb_dim={emb}", f"model.num_layers={layers}", f"model.num_heads={emb // 64}",
+        f"model.num_kv_heads={emb // 128}", "model.head_dim=64", f"model.mlp_dim={4 * emb}",
+        "model.vocab_size=32000", f"model.param_dtype={dtype}",
+    ]).model
+
+
+def write_checkpoint(path: Path, emb: int, layers: int, dtype: str, shards: int = 4) -> int:
+    """A random HF Llama checkpoint in `shards` safetensors files with an index; returns its data bytes."""
+    from trainer.hf import (
+        _hf_config,
+        _hf_names,
+        _layout,
+        _write_json,
+        _write_safetensors,
+    )
+
+    cfg = _config(emb, layers, dtype)
+    rng = np.random.default_rng(0)
+    entries = [(name, spec.hf_shape) for spec in _layout(cfg) for name in _hf_names(spec, cfg)]
+    path.mkdir(parents=True)
+    total, weight_map = 0, {}
+    for k in range(shards):
+        part = entries[k::shards]
+        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        fetch = lambda shape: lambda: rng.standard_normal(shape, np.float32)  # noqa: E731
+        total += _write_safetensors(path / fname, [(n, s, fetch(s)) for n, s in part], np.dtype(dtype))
+        weight_map.update({n: fname for n, _ in part})
+    _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_json(path / "config.json", _hf_config(cfg, None, 0))
+    return total
+
+
+def child(hf_dir: str, out_dir: str, what: str) -> None:
+    """Run in a fresh process: convert and print timing and RSS (KiB) as JSON."""
+    from trainer.hf import ingest, load_hf_params, model_config_from_hf, read_hf_config
+
+    cfg = model_config_from_hf(read_hf_config(hf_dir))
+    cfg = cfg.model_copy(update={"param_dtype": json.loads(Path(hf_dir, "config.json").read_text())["dtype"]})
+    import jax
+
+    jax.device_put(np.zeros(1)).block_until_ready()  # the XLA client's start-up belongs to the baseline
+    base = _rss_kib("VmRSS")
+    start = time.perf_counter()
+    if what == "load":
+        load_hf_params(hf_dir, cfg)
+    else:
+        ingest(hf_dir, out_dir, cfg, log=lambda _: None)
+    seconds = time.perf_counter() - start
+    print(json.dumps({"seconds": seconds, "baseline_kib": base, "peak_kib": _rss_kib("VmHWM")}))
+
+
+def read_all(hf_dir: Path) -> float:
+    start = time.perf_counter()
+    for p in sorted(hf_dir.glob("*.safetensors")):
+        with open(p, "rb") as f:
+            while f.read(64 << 20):
+                pass
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--emb", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--child", nargs=3, metavar=("HF_DIR", "OUT", "WHAT"))
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = Path(tmp) / "hf"
+        size = write_checkpoint(hf_dir, args.emb, args.layers, args.dtype)
+        print(f"model: {size / 2**20:.1f} MiB of {args.dtype} in 4 safetensors shards (emb {args.emb}, {args.layers} layers)")
+        read_all(hf_dir)  # warm the page cache so both sides read from memory, as a re-run would
+        results = {}
+        for what in ("load", "ingest"):
+            read_s = read_all(hf_dir)
+            out = subprocess.run([sys.executable, __file__, "--child", str(hf_dir), str(Path(tmp) / what), what],
+                                 capture_output=True, text=True, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            results[what] = r
+            peak = (r["peak_kib"] - r["baseline_kib"]) * 1024
+            label = "load_hf_params" if what == "load" else "ingest (+ Orbax write)"
+            print(f"{label:<24} {r['seconds']:6.2f} s = {size / r['seconds'] / 2**20:7.1f} MiB/s; raw read {read_s:5.2f} s = "
+                  f"{size / read_s / 2**20:7.1f} MiB/s; throughput ratio {read_s / r['seconds']:.2f} (goal >= 0.5)")
+            print(f"{'':<24} peak RSS above baseline {peak / 2**20:7.1f} MiB = {peak / size:.2f} x model size (goal <= 0.5); "
+                  f"baseline {r['baseline_kib'] / 1024:.0f} MiB")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()
