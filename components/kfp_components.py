@@ -10,7 +10,7 @@ KFP reads the artifact types from the real annotations.
 from typing import Callable, Optional
 
 from kfp import dsl
-from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
+from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
 
 
 def component(func: Callable, image: str) -> Callable:
@@ -81,11 +81,24 @@ def export(config: str, checkpoints: Input[Model], dataset: Input[Dataset], mode
     kfp_step(lambda cfg: steps.plan_export(cfg, checkpoints.path, dataset.path), config, model)
 
 
-def evaluate(config: str, model: Input[Model], dataset: Input[Dataset], report: Output[Artifact], metrics: Output[Metrics]):
-    """Validation loss, perplexity and a generated sample."""
+def evaluate(
+    config: str, model: Input[Model], dataset: Input[Dataset], report: Output[Artifact], metrics: Output[Metrics],
+    report_html: Output[HTML],
+):
+    """Validation loss, perplexity, task accuracy and samples; the report as pages the Vertex/KFP UIs show."""
+    import shutil
+    from pathlib import Path
+
     from components.kfp_support import kfp_step
     from components import steps
 
     manifest = kfp_step(lambda cfg: steps.plan_eval(cfg, model.path, dataset.path), config, report)
+    stats = manifest["stats"]
     for key in ("val_loss", "val_perplexity", "val_tokens"):
-        metrics.log_metric(key, manifest["stats"][key])
+        metrics.log_metric(key, stats[key])
+    for task in stats.get("tasks", []):
+        metrics.log_metric(f"{task['task']}_accuracy", task["accuracy"])
+        metrics.log_metric(f"{task['task']}_accuracy_norm", task["accuracy_norm"])
+    # The UIs render an HTML artifact from its own file (report.html has its plot inline), not a directory.
+    if (Path(report.path) / "report.html").is_file():
+        shutil.copyfile(Path(report.path) / "report.html", report_html.path)

@@ -60,15 +60,18 @@ def plan_prep(cfg: Config, log: Log = print) -> Step:
 
 
 def plan_ingest(cfg: Config, hf_dir: str | Path, log: Log = print) -> Step:
-    """Convert a HF Llama safetensors checkpoint into our Orbax params (a Model artifact)."""
+    """Convert a HF checkpoint (safetensors; pickle only if allowed) into our Orbax params (a Model artifact)."""
+    allow_pickle = cfg.pipeline.hf_allow_pickle
 
     def work(out: Path) -> dict[str, Any]:
         from trainer import hf
 
-        return hf.ingest(hf_dir, out, cfg.model, log=log)
+        return hf.ingest(hf_dir, out, cfg.model, log=log, allow_pickle=allow_pickle)
 
-    inputs = [{"kind": "hf_checkpoint", "version": _hf_fingerprint(hf_dir), "uri": str(Path(hf_dir).absolute())}]
-    return Step("ingest", "params", {"model": cfg.model.model_dump()}, inputs, artifacts.code_version("trainer"), work)
+    version = _hf_fingerprint(hf_dir, allow_pickle)
+    inputs = [{"kind": "hf_checkpoint", "version": version, "uri": str(Path(hf_dir).absolute())}]
+    config = {"model": cfg.model.model_dump(), "allow_pickle": allow_pickle}
+    return Step("ingest", "params", config, inputs, artifacts.code_version("trainer"), work)
 
 
 def plan_train(cfg: Config, dataset_dir: str | Path, init_dir: str | Path | None = None, log: Log = print) -> Step:
@@ -101,18 +104,27 @@ def plan_export(cfg: Config, train_dir: str | Path, dataset_dir: str | Path, log
 
 
 def plan_eval(cfg: Config, model_dir: str | Path, dataset_dir: str | Path, log: Log = print) -> Step:
-    """Validation loss, perplexity and a generated sample of an exported model (a metrics artifact)."""
+    """Validation loss, perplexity, samples and task scores of an exported model, and a report (a metrics artifact)."""
 
     def work(out: Path) -> dict[str, Any]:
         from trainer import checkpoint
         from trainer.evaluate import evaluate
+        from trainer.report import write_report
 
         params = checkpoint.load_params(model_dir, checkpoint.abstract_params(cfg.model))
         results = evaluate(params, cfg.model, cfg.eval, dataset_dir, log=log)
         (out / "metrics.json").write_text(json.dumps(results, indent=2))
+        write_report(out, results, _training_metrics(model_dir))
         return results
 
     inputs = [artifacts.reference(model_dir), artifacts.reference(dataset_dir)]
+    if cfg.eval.tasks:  # a changed task file is a new evaluation
+        from data_prep import fingerprint
+
+        missing = [t for t in cfg.eval.tasks if not Path(t).is_file()]
+        if missing:
+            raise UserError(f"eval.tasks: no such file {missing[0]}")
+        inputs.append({"kind": "files", "version": fingerprint(cfg.eval.tasks), "uri": ",".join(cfg.eval.tasks)})
     return Step("eval", "metrics", {"eval": cfg.eval.model_dump()}, inputs, artifacts.code_version("trainer"), work)
 
 
@@ -193,15 +205,24 @@ def latest_export(store: str | Path, cfg: Config, dataset_dir: str | Path) -> Pa
     return max(candidates)[2] if candidates else None
 
 
+def _training_metrics(model_dir: str | Path) -> Path | None:
+    """The metrics.jsonl of the training run an export came from, if the export has one upstream."""
+    for ref in artifacts.require_manifest(model_dir)["inputs"]:
+        if ref["kind"] == "checkpoints" and (Path(ref["uri"]) / "metrics.jsonl").is_file():
+            return Path(ref["uri"]) / "metrics.jsonl"
+    return None
+
+
 def tokenizer_source(cfg: Config) -> str:
     """The configured tokenizer; a run that starts from a HF checkpoint uses that checkpoint's tokenizer."""
     return cfg.data.tokenizer or cfg.pipeline.hf_checkpoint
 
 
-def _hf_fingerprint(hf_dir: str | Path) -> str:
+def _hf_fingerprint(hf_dir: str | Path, pickle: bool = False) -> str:
     """The config and each weight file's name and size: cheap, and changes whenever the checkpoint does."""
     hf_dir = Path(hf_dir)
     config = hf_dir / "config.json"
-    files = sorted((p.name, p.stat().st_size) for p in hf_dir.glob("*.safetensors"))
+    patterns = ["*.safetensors", "*.json"] + (["*.bin", "*.pt"] if pickle else [])
+    files = sorted((p.name, p.stat().st_size) for pattern in patterns for p in hf_dir.glob(pattern))
     key = json.dumps({"config": config.read_text() if config.is_file() else None, "files": files}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -110,6 +110,9 @@ class TrainConfig(_Section):
     keep_checkpoints: PosInt
     log_every: PosInt
     mesh: dict[Literal["data", "fsdp", "tensor"], int]
+    remat: Literal["none", "minimal", "full"]
+    grad_accum_steps: PosInt
+    tensorboard: bool
     continue_from: Literal["", "latest_export"]
 
     @model_validator(mode="after")
@@ -144,6 +147,7 @@ class PipelineConfig(_Section):
     root: str
     store: str
     hf_checkpoint: str
+    hf_allow_pickle: bool
 
 
 class StepResources(_Section):

@@ -5,6 +5,7 @@
     maxpipe prep    [PRESET] [key=value ...] output=DIR
     maxpipe ingest  [PRESET] [key=value ...] src=HF_DIR output=DIR
     maxpipe train   [PRESET] [key=value ...] dataset=DIR output=DIR [init=PARAMS_DIR]
+    maxpipe train   [PRESET] [key=value ...] [dataset=DIR] --compile-only
     maxpipe export  [PRESET] [key=value ...] src=TRAIN_DIR dataset=DIR output=DIR
     maxpipe eval    [PRESET] [key=value ...] src=EXPORT_DIR dataset=DIR output=DIR
     maxpipe submit  [PRESET] [key=value ...] --project P --region R --pipeline-root gs://... [...]
@@ -53,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return lineage_main([a for a in argv[1:] if a != "--debug"])
         if argv[:1] == ["data"]:
             return _data(argv[1:])
-        args = _parser().parse_args(argv)
+        # Flags may sit anywhere among the key=value items (argparse stops at the first one).
+        flags = [a for a in argv if a == "--compile-only"]
+        args = _parser().parse_args([a for a in argv if a not in flags] + flags)
         return _dispatch(args)
     except UserError as err:
         if debug:
@@ -83,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
         if name == "compile":
             cmd.add_argument("-o", "--output", default="pipeline.yaml", help="where to write the pipeline spec")
+        if name == "train":
+            cmd.add_argument("--compile-only", action="store_true",
+                             help="compile the train step for the mesh and report per-device memory; train nothing")
     return parser
 
 
@@ -100,9 +106,12 @@ def _data(argv: list[str]) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    preset, overrides, paths = _split_items(args.items, STEP_PATHS.get(args.command, ()))
+    compile_only = getattr(args, "compile_only", False)
+    preset, overrides, paths = _split_items(args.items, STEP_PATHS.get(args.command, ()), required=not compile_only)
     cfg = load_config(preset, overrides)
-    if args.command == "run":
+    if compile_only:
+        _compile_train(cfg, paths.get("dataset"))
+    elif args.command == "run":
         from pipelines.local import run_local, summary
 
         print(summary(run_local(cfg, verbose=args.debug)))
@@ -117,7 +126,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _split_items(items: Sequence[str], path_keys: Sequence[str]) -> tuple[str | None, list[str], dict[str, str]]:
+def _split_items(
+    items: Sequence[str], path_keys: Sequence[str], required: bool = True,
+) -> tuple[str | None, list[str], dict[str, str]]:
     """Separate the preset, the config overrides and the step's artifact paths."""
     preset, overrides, paths = None, [], {}
     for i, item in enumerate(items):
@@ -130,9 +141,22 @@ def _split_items(items: Sequence[str], path_keys: Sequence[str]) -> tuple[str | 
         else:
             overrides.append(item)
     missing = [k for k in path_keys if k not in paths and k not in OPTIONAL_PATHS]
-    if missing:
+    if missing and required:
         raise UserError(f"missing {', '.join(f'{k}=DIR' for k in missing)}")
     return preset, overrides, paths
+
+
+def _compile_train(cfg: Config, dataset: str | None) -> None:
+    """`maxpipe train --compile-only`: the step compiled for the mesh, on the dataset's sequences if given."""
+    from trainer.train import compile_only
+
+    seq_len, documents = cfg.data.seq_len, cfg.data.packing == "documents"
+    if dataset:
+        from trainer.data import record_format
+
+        fmt = record_format(dataset)
+        seq_len, documents = fmt.seq_len or seq_len, fmt.packing == "documents"
+    compile_only(cfg.model, cfg.train, seq_len, documents=documents)
 
 
 def _run_step(command: str, cfg: Config, paths: dict[str, str]) -> dict[str, Any]:

@@ -85,6 +85,21 @@ def test_checkpoint_that_does_not_fit_the_model(corpus, tmp_path, capsys):
     assert not (tmp_path / "params" / MANIFEST).exists()
 
 
+def test_pickle_weights_need_an_explicit_flag(corpus, tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    hf = tiny_hf_llama(tmp_path / "hf", corpus)
+    capsys.readouterr()
+    torch.save(load_file(hf / "model.safetensors"), hf / "pytorch_model.bin")
+    (hf / "model.safetensors").unlink()
+    code, _, err = maxpipe(capsys, "ingest", "tiny", f"src={hf}", f"output={tmp_path / 'refused'}")
+    assert code == 1 and "pipeline.hf_allow_pickle=true" in one_error_line(err)
+    code, out, err = maxpipe(capsys, "ingest", "tiny", f"src={hf}", f"output={tmp_path / 'params'}", "hf_allow_pickle=true")
+    assert code == 0, err
+    assert json.loads((tmp_path / "params" / MANIFEST).read_text())["config"]["allow_pickle"] is True
+
+
 def test_compile_writes_a_spec_kfp_loads(tmp_path, capsys):
     from kfp import components
 
@@ -110,3 +125,11 @@ def test_compile_writes_a_spec_kfp_loads(tmp_path, capsys):
 
     assert maxpipe(capsys, "compile", "tiny", "-o", str(spec))[0] == 0  # no checkpoint: no ingest step
     assert "ingest" not in yaml.safe_load(spec.read_text())["root"]["dag"]["tasks"]
+
+
+def test_train_compile_only_reports_memory_without_data(capsys):
+    code, out, err = maxpipe(capsys, "train", "tiny", "--compile-only", "train.mesh={fsdp: 4, tensor: 2}")
+    assert code == 0, err
+    assert "compiled the train step for mesh {'data': 1, 'fsdp': 4, 'tensor': 2}" in out and "GiB per device" in out
+    code, out, err = maxpipe(capsys, "train", "tiny", "--compile-only", "train.batch_size=6", "train.mesh={data: -1}")
+    assert code == 1 and "batch_size" in one_error_line(err)

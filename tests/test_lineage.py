@@ -105,9 +105,11 @@ def test_upstream_of_metrics_goes_back_to_the_data_files(chain):
 
 def test_downstream_of_the_dataset_lists_both_trainings(chain):
     users = chain.store.downstream(chain.v["a.dataset"])
-    assert [(t.artifact.kind, t.artifact.version) for t in users] == [
-        ("checkpoints", chain.v["a.checkpoints"]), ("checkpoints", chain.v["b.checkpoints"])]
-    below_a = [n.artifact.version for n in users[0].walk()]
+    # Both were made in the same second: their order is by version, a hash.
+    assert sorted((t.artifact.kind, t.artifact.version) for t in users) == sorted([
+        ("checkpoints", chain.v["a.checkpoints"]), ("checkpoints", chain.v["b.checkpoints"])])
+    (a_tree,) = [t for t in users if t.artifact.version == chain.v["a.checkpoints"]]
+    below_a = [n.artifact.version for n in a_tree.walk()]
     assert below_a == [chain.v["a.checkpoints"], chain.v["a.model"], chain.v["a.report"]]
     assert chain.store.downstream(chain.v["a.report"]) == []
 
@@ -221,7 +223,7 @@ def test_lineage_main_end_to_end(chain, tmp_path, capsys, monkeypatch):
     assert out.startswith(f"metrics {chain.v['a.report']}  eval") and f"files {FILES_FINGERPRINT[:16]}" in out
     assert lineage_main(["show", chain.v["a.dataset"], "--root", root, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert [t["version"] for t in shown["downstream"]] == [chain.v["a.checkpoints"], chain.v["b.checkpoints"]]
+    assert sorted(t["version"] for t in shown["downstream"]) == sorted([chain.v["a.checkpoints"], chain.v["b.checkpoints"]])
     page = tmp_path / "lineage.html"
     assert lineage_main(["show", str(chain.a["model"]), "--root", root, "--format", "html", "-o", str(page)]) == 0
     assert capsys.readouterr().out == f"wrote {page}\n" and '<pre class="mermaid">' in page.read_text()

@@ -34,15 +34,17 @@ def load_params(directory: str | Path, abstract: Any | None = None) -> Any:
 
 
 def check_shapes(stored: Any, expected: Any) -> None:
-    """Raise one UserError line naming the first parameter whose shape differs between two trees."""
+    """Raise one UserError line naming the parameters whose shapes differ between two trees (the first five)."""
     got = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(stored)}
     want = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(expected)}
-    for name in sorted(set(got) | set(want)):
-        if got.get(name) != want.get(name):
-            raise UserError(
-                f"checkpoint does not fit the model config: parameter {name} is "
-                f"{got.get(name, 'missing')} in the checkpoint but {want.get(name, 'absent')} in the model"
-            )
+    wrong = [name for name in sorted(set(got) | set(want)) if got.get(name) != want.get(name)]
+    if wrong:
+        details = "; ".join(
+            f"{name} is {got.get(name, 'missing')} in the checkpoint but {want.get(name, 'absent')} in the model"
+            for name in wrong[:5]
+        )
+        more = f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else ""
+        raise UserError(f"checkpoint does not fit the model config: {len(wrong)} parameter(s) differ: {details}{more}")
 
 
 def abstract_params(cfg: ModelConfig, seq_len: int = 8) -> Any:
@@ -71,7 +73,7 @@ def train_checkpoints(run_dir: str | Path, keep: int = 2) -> ocp.CheckpointManag
 
     return ocp.CheckpointManager(
         Path(run_dir).absolute() / CHECKPOINTS_DIR,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True),
         item_handlers={
             "params": ocp.StandardCheckpointHandler(),
             "opt_state": ocp.StandardCheckpointHandler(),
@@ -102,6 +104,14 @@ def restore_train_state(
     import grain
 
     check_shapes(manager.item_metadata(step)["params"], abstract_params)
+    data_dir = manager.directory / str(step) / "data"
+    count = jax.process_count()
+    if not (data_dir / f"process_{jax.process_index()}-of-{count}.json").exists():
+        raise UserError(
+            f"checkpoint {step} in {manager.directory} was written by a run with a different number of processes "
+            f"than this one ({count}): its data iterator state cannot be split again; resume with the same process count"
+        )
+    # Params and optimizer state are restored straight into the current mesh's shardings (any mesh shape).
     restored = manager.restore(
         step,
         args=ocp.args.Composite(

@@ -1,12 +1,17 @@
 """Grain input over the prep step's ArrayRecord shards.
 
-A record is one packed sequence: `seq_len` little-endian int32 token ids, padded with -1 (see the
-dataset manifest's `record_format`). The model reads `inputs`, predicts `targets` (the next token)
-and the loss counts only positions where `mask` is 1.
+The dataset manifest's `stats.record_format` says how a record is laid out (little-endian int32,
+pad -1). "concat" (and datasets without `fields`): `seq_len` token ids. "documents": tokens, then
+segment ids (1, 2, ... per document, 0 on padding), then positions within each document, each
+`seq_len` long. The model reads `inputs` (with `segment_ids`/`positions` in documents mode),
+predicts `targets` (the next token) and the loss counts only positions where `mask` is 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +21,16 @@ import numpy as np
 from configs import UserError
 
 PAD = -1
+MANIFEST = "manifest.json"
+DOCUMENT_FIELDS = ("tokens", "segment_ids", "positions")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordFormat:
+    """How one record is laid out: packing mode, and the sequence length if the manifest says it."""
+
+    packing: str = "concat"
+    seq_len: int = 0  # 0 = unknown: tokens per record
 
 
 def shard_paths(dataset_dir: str | Path, split: str) -> list[str]:
@@ -26,31 +41,82 @@ def shard_paths(dataset_dir: str | Path, split: str) -> list[str]:
     return paths
 
 
-def to_example(record: bytes) -> dict[str, np.ndarray]:
-    """One record -> inputs, next-token targets and a loss mask (pads and the last position are masked)."""
-    tokens = np.frombuffer(record, dtype="<i4")
+def record_format(dataset_dir: str | Path) -> RecordFormat:
+    """The record layout from the dataset manifest; concat records when there is no manifest or no `fields`."""
+    manifest = Path(dataset_dir) / MANIFEST
+    if not manifest.is_file():
+        return RecordFormat()
+    fmt = json.loads(manifest.read_text()).get("stats", {}).get("record_format", {})
+    if fmt.get("dtype", "int32le") != "int32le" or fmt.get("pad", PAD) != PAD:
+        raise UserError(f"{manifest}: unsupported record_format {fmt} (expected int32le with pad {PAD})")
+    if "fields" not in fmt:
+        return RecordFormat(seq_len=int(fmt.get("seq_len", 0)))
+    packing = fmt.get("packing", "concat")
+    expected = list(DOCUMENT_FIELDS) if packing == "documents" else ["tokens"]
+    if packing not in ("concat", "documents") or list(fmt["fields"]) != expected:
+        raise UserError(f"{manifest}: unsupported record_format packing {packing!r} with fields {fmt['fields']}")
+    return RecordFormat(packing, int(fmt.get("seq_len", 0)))
+
+
+def format_of(paths: list[str]) -> RecordFormat:
+    """The record layout of the dataset the shards belong to (read from the manifest beside them)."""
+    return record_format(Path(paths[0]).parent)
+
+
+def sequence_length(paths: list[str], fmt: RecordFormat) -> int:
+    """Tokens per sequence, from the first record; a record that does not match the manifest is an error."""
+    fields = len(DOCUMENT_FIELDS) if fmt.packing == "documents" else 1
+    nbytes = len(grain.sources.ArrayRecordDataSource(paths[:1])[0])
+    if nbytes % (4 * fields) or (fmt.seq_len and nbytes != 4 * fields * fmt.seq_len):
+        raise UserError(
+            f"{paths[0]}: a record of {nbytes} bytes does not fit the manifest's record_format "
+            f"({fmt.packing}, seq_len {fmt.seq_len or 'unset'}, {fields} int32 field(s))"
+        )
+    return nbytes // (4 * fields)
+
+
+def to_example(record: bytes, packing: str = "concat") -> dict[str, np.ndarray]:
+    """One record -> inputs, next-token targets and a loss mask (+ segment_ids, positions for documents).
+
+    A target is kept only where it is a real token of the same document: pads, the row's last position and
+    (documents mode) each document's last token, whose "next token" starts another document, are masked.
+    """
+    values = np.frombuffer(record, dtype="<i4")
+    if packing == "documents":
+        tokens, segments, positions = values.reshape(len(DOCUMENT_FIELDS), -1)
+    else:
+        tokens = values
     valid = tokens != PAD
     inputs = np.where(valid, tokens, 0).astype(np.int32)
     targets = np.append(inputs[1:], 0).astype(np.int32)
-    mask = np.append(valid[1:], False).astype(np.float32)
-    return {"inputs": inputs, "targets": targets, "mask": mask}
+    keep = valid[1:] & valid[:-1]
+    if packing == "documents":
+        keep &= segments[1:] == segments[:-1]
+    example = {"inputs": inputs, "targets": targets, "mask": np.append(keep, False).astype(np.float32)}
+    if packing == "documents":
+        example["segment_ids"] = segments.astype(np.int32)
+        example["positions"] = positions.astype(np.int32)
+    return example
 
 
 def train_iterator(
-    paths: list[str], batch_size: int, seed: int, process_index: int = 0, process_count: int = 1
+    paths: list[str], batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
+    fmt: RecordFormat | None = None,
 ) -> grain.DatasetIterator:
     """An endless, seeded, globally shuffled stream of this process's batches; its state is checkpointable."""
+    fmt = fmt or format_of(paths)
     ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths))
     if len(ds) < batch_size * process_count:
         raise UserError(f"the train split has {len(ds)} sequences, fewer than one global batch ({batch_size * process_count})")
     ds = ds.seed(seed).shuffle().repeat()[process_index::process_count]
-    ds = ds.map(to_example).batch(batch_size, drop_remainder=True)
+    ds = ds.map(functools.partial(to_example, packing=fmt.packing)).batch(batch_size, drop_remainder=True)
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4 * batch_size)))
 
 
 def eval_batches(paths: list[str], batch_size: int, max_batches: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    """The split in order, in batches; the last batch is filled with fully masked rows."""
-    ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths)).map(to_example)
+    """The split in order, in batches (with segment_ids/positions for documents); the last batch is padded with fully masked rows."""
+    example = functools.partial(to_example, packing=format_of(paths).packing)
+    ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths)).map(example)
     count = len(ds) if not max_batches else min(len(ds), max_batches * batch_size)
     for start in range(0, count, batch_size):
         rows = [ds[i] for i in range(start, min(start + batch_size, count))]

@@ -446,7 +446,7 @@ def _open_checkpoint(hf_dir: Path, allow_pickle: bool = False) -> dict[str, _Saf
             raise UserError(
                 f"{hf_dir} holds only PyTorch pickle weights ({', '.join(p.name for p in pickles)}); maxpipe reads "
                 f"safetensors only, since unpickling can run arbitrary code: convert them to safetensors in a trusted "
-                f"environment, or pass allow_pickle=True for a checkpoint you trust"
+                f"environment, or set pipeline.hf_allow_pickle=true for a checkpoint you trust"
             )
         if not pickles:
             raise UserError(f"no safetensors weights in {hf_dir}")

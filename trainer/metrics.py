@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from configs import ModelConfig
+from trainer.tensorboard import EventWriter
 
 # Dense bf16 peak FLOP/s per chip, by a substring of jax's `device_kind`.
 PEAK_FLOPS = {
@@ -30,16 +31,20 @@ def train_flops_per_step(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     return 3 * (cfg.num_layers * (ffn + qkv + out + attention) + unembed)
 
 
-def measure_matmul_flops(n: int = 1024, reps: int = 8) -> float:
-    """FLOP/s of a float32 n x n matmul on the default device: the peak we hold CPU runs to."""
+def measure_matmul_flops(n: int = 1024, reps: int = 8, clock: Callable[[], float] = time.perf_counter) -> float:
+    """FLOP/s of a float32 n x n matmul on the default device: the peak we hold CPU runs to.
+
+    `clock=time.process_time` gives FLOPs per CPU-second of this process, which other work on a shared
+    machine disturbs far less than wall time.
+    """
     a = jnp.ones((n, n), jnp.float32)
     matmul = jax.jit(lambda x: x @ x)
     matmul(a).block_until_ready()
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = clock()
         matmul(a).block_until_ready()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return 2 * n**3 / sorted(times)[len(times) // 2]
 
 
@@ -54,18 +59,34 @@ def peak_flops_per_device() -> tuple[float, str]:
 
 
 class MetricsLog:
-    """Per-step metrics as JSON lines, plus a readable progress line every `every` steps."""
+    """Per-step metrics as JSON lines (and TensorBoard events), plus a readable progress line every `every` steps.
 
-    def __init__(self, path: str | Path, total_steps: int, every: int, log: Callable[[str], None]):
-        self.file: TextIO = open(path, "a")
+    `path` None writes no files (processes other than 0). On resume, rows after `resume_step` (steps a killed
+    run logged past its last checkpoint, which the resumed run will redo) are dropped first.
+    """
+
+    def __init__(
+        self, path: str | Path | None, total_steps: int, every: int, log: Callable[[str], None],
+        resume_step: int = 0, tensorboard_dir: str | Path | None = None,
+    ):
+        self.file: TextIO | None = None
+        if path is not None:
+            path = Path(path)
+            if path.exists():
+                rows = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
+                path.write_text("".join(row + "\n" for row in rows))
+            self.file = open(path, "a")
+        self.events = EventWriter(tensorboard_dir) if tensorboard_dir is not None else None
         self.total, self.every, self.log = total_steps, every, log
-        self.start = time.perf_counter()
         self.window: list[dict[str, Any]] = []  # steps since the last progress line
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Append one step's metrics; print a progress line on the first, every `every`-th and last step."""
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
+        if self.file is not None:
+            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.file.flush()
+        if self.events is not None:
+            self.events.scalars(step, metrics)
         self.window.append(metrics)
         if step == 1 or step % self.every == 0 or step == self.total:
             seconds = sum(m["step_time"] for m in self.window)
@@ -79,4 +100,15 @@ class MetricsLog:
             self.window = []
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
+        if self.events is not None:
+            self.events.close()
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics line; infinity for a line a killed run left half-written."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return float("inf")

@@ -12,22 +12,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import flax.linen as nn
-from grain.sources import ArrayRecordDataSource
 
 from configs import ModelConfig, TrainConfig, UserError
 from trainer import checkpoint, metrics
-from trainer.data import shard_paths, train_iterator
+from trainer.data import format_of, sequence_length, shard_paths, train_iterator
 from trainer.evaluate import token_loss
 from trainer.model import Transformer, param_count
 from trainer.optimizer import learning_rate_schedule, make_optimizer
 from trainer.sharding import RULES, batch_sharding, logical_shardings, make_mesh, replicated
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+Batch = dict[str, jax.Array]
 
 
-def sequence_length(paths: list[str]) -> int:
-    """Tokens per record of the first train shard."""
-    return len(ArrayRecordDataSource(paths[:1])[0]) // 4
+def make_model(model_cfg: ModelConfig, train_cfg: TrainConfig) -> Transformer:
+    """The model as trained: the configured rematerialisation policy on the layer stack."""
+    return Transformer(model_cfg, remat=train_cfg.remat)
 
 
 def param_layout(model: Transformer, seq_len: int, mesh: jax.sharding.Mesh) -> Any:
@@ -48,29 +49,129 @@ def init_params(model: Transformer, seq_len: int, seed: int, mesh: jax.sharding.
         return init(jax.random.key(seed))
 
 
-def init_opt_state(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Optimizer state laid out like the params it tracks; scalars (the step count) replicated."""
+def opt_state_layout(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Shapes and shardings of the optimizer state: laid out like the params it tracks, scalars replicated."""
+    abstract = jax.eval_shape(tx.init, params)
     shardings = optax.tree_utils.tree_map_params(
-        tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params), params,
-        transform_non_params=lambda _: replicated(mesh),
+        tx, lambda _, p: p.sharding, abstract, params, transform_non_params=lambda _: replicated(mesh),
     )
-    return jax.jit(tx.init, out_shardings=shardings)(params)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
 
-def make_train_step(model: Transformer, tx: optax.GradientTransformation) -> Callable:
-    """(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm}); buffers of the old state are donated."""
+def init_opt_state(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> Any:
+    """The optimizer's initial state in its sharded layout (float32 moments for float32 params)."""
+    return jax.jit(tx.init, out_shardings=_shardings(opt_state_layout(tx, params, mesh)))(params)
 
-    def step(params: Any, opt_state: Any, batch: dict[str, jax.Array]) -> tuple[Any, Any, dict[str, jax.Array]]:
-        def loss_fn(p: Any) -> jax.Array:
-            logits = model.apply({"params": p}, batch["inputs"])
-            total, count = token_loss(logits, batch["targets"], batch["mask"])
-            return total / jnp.maximum(count, 1.0)
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+def loss_and_grads(model: Transformer, params: Any, batch: Batch, accum_steps: int = 1) -> tuple[jax.Array, Any]:
+    """Mean next-token loss over the batch's unmasked targets and its gradient, over `accum_steps` microbatches.
+
+    Each microbatch contributes its summed loss and gradient; one division by the batch's token count at the
+    end makes the result the same as the whole batch at once. Microbatch j takes rows j, j + accum_steps, ...
+    so every device keeps its own rows (no data moves between devices).
+    """
+
+    def sums(p: Any, b: Batch) -> tuple[jax.Array, jax.Array]:
+        logits = model.apply({"params": p}, b["inputs"], b.get("positions"), b.get("segment_ids"))
+        return token_loss(logits, b["targets"], b["mask"])
+
+    grad_fn = jax.value_and_grad(sums, has_aux=True)
+    if accum_steps == 1:
+        (total, count), grads = grad_fn(params, batch)
+    else:
+        def split(x: jax.Array) -> jax.Array:
+            x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1)
+            return nn.with_logical_constraint(x, (None, "batch", "length"))
+
+        def accumulate(carry: tuple, micro: Batch) -> tuple[tuple, None]:
+            (total, count), grads = grad_fn(params, micro)
+            acc_grads, acc_total, acc_count = carry
+            acc_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)
+            return (acc_grads, acc_total + total, acc_count + count), None
+
+        zero = jnp.zeros((), jnp.float32)
+        init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), zero, zero)  # f32 even for bf16 params
+        (grads, total, count), _ = jax.lax.scan(accumulate, init, jax.tree.map(split, batch))
+    count = jnp.maximum(count, 1.0)
+    return total / count, jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
+
+
+def make_train_step(
+    model: Transformer, tx: optax.GradientTransformation, accum_steps: int = 1, layout: tuple[Any, Any] | None = None
+) -> Callable:
+    """(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm}); the old state's buffers are donated.
+
+    With `layout` (abstract params and optimizer state), the new state keeps exactly their shardings.
+    """
+
+    def step(params: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, dict[str, jax.Array]]:
+        loss, grads = loss_and_grads(model, params, batch, accum_steps)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    if layout is None:
+        return jax.jit(step, donate_argnums=(0, 1))
+    params, opt_state = layout
+    scalars = replicated(jax.tree.leaves(params)[0].sharding.mesh)
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(_shardings(params), _shardings(opt_state), scalars))
+
+
+def check_batch(train_cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
+    """Refuse a batch size that the mesh's batch axes, the processes and the microbatches cannot split evenly."""
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    accum = train_cfg.grad_accum_steps
+    if train_cfg.batch_size % (shards * accum):
+        raise UserError(
+            f"train.batch_size ({train_cfg.batch_size}) must be a multiple of data x fsdp x train.grad_accum_steps "
+            f"({shards} x {accum} = {shards * accum})"
+        )
+    if train_cfg.batch_size % jax.process_count():
+        raise UserError(f"train.batch_size ({train_cfg.batch_size}) must be a multiple of the {jax.process_count()} processes")
+
+
+def abstract_batch(batch_size: int, seq_len: int, mesh: jax.sharding.Mesh, documents: bool = False) -> Batch:
+    """Shapes and shardings of one global batch, as the train step receives it."""
+    sharding = batch_sharding(mesh)
+    names = ["inputs", "targets", "mask"] + (["segment_ids", "positions"] if documents else [])
+    return {
+        k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32 if k == "mask" else jnp.int32, sharding=sharding)
+        for k in names
+    }
+
+
+def compile_only(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, seq_len: int, log: Callable[[str], None] = print,
+    documents: bool = False,
+) -> dict[str, Any]:
+    """Lower and compile the train step for the configured mesh from shapes alone; report per-device memory."""
+    mesh = make_mesh(train_cfg.mesh)
+    check_batch(train_cfg, mesh)
+    model, tx = make_model(model_cfg, train_cfg), make_optimizer(train_cfg)
+    params = param_layout(model, seq_len, mesh)
+    opt_state = opt_state_layout(tx, params, mesh)
+    step = make_train_step(model, tx, train_cfg.grad_accum_steps, (params, opt_state))
+    start = time.perf_counter()
+    with mesh, nn.logical_axis_rules(RULES):
+        compiled = step.lower(params, opt_state, abstract_batch(train_cfg.batch_size, seq_len, mesh, documents)).compile()
+    memory = compiled.memory_analysis()
+    sizes = {
+        f"{name}_bytes": int(getattr(memory, f"{name}_size_in_bytes", 0) or 0)
+        for name in ("argument", "output", "temp", "alias", "generated_code")
+    }
+    # Donated inputs alias outputs: count those bytes once.
+    peak = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
+    report = {
+        "mesh": dict(mesh.shape), "devices": mesh.size, "parameters": param_count(params), "seq_len": seq_len,
+        "batch_size": train_cfg.batch_size, "grad_accum_steps": train_cfg.grad_accum_steps, "remat": train_cfg.remat,
+        "dtype": model_cfg.dtype, **sizes, "peak_bytes_per_device": peak,
+        "compile_seconds": time.perf_counter() - start,
+    }
+    log(
+        f"compiled the train step for mesh {dict(mesh.shape)} in {report['compile_seconds']:.1f}s: about "
+        f"{peak / 2**30:.3f} GiB per device (arguments {sizes['argument_bytes'] / 2**30:.3f}, "
+        f"temporaries {sizes['temp_bytes'] / 2**30:.3f})"
+    )
+    return report
 
 
 def train(
@@ -81,90 +182,110 @@ def train(
     init_params_dir: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Train to `train_cfg.steps`, resuming from the newest checkpoint in `run_dir`; returns summary stats."""
+    """Train to `train_cfg.steps`, resuming from the newest checkpoint in `run_dir`; returns summary stats.
+
+    In a multi-process run (see trainer.distributed) every process calls this; each reads its share of
+    the data and only process 0 writes metrics.
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(train_cfg.mesh)
-    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if train_cfg.batch_size % batch_shards:
-        raise UserError(f"train.batch_size ({train_cfg.batch_size}) must be a multiple of data x fsdp ({batch_shards})")
+    check_batch(train_cfg, mesh)
     paths = shard_paths(dataset_dir, "train")
-    seq_len = sequence_length(paths)
+    fmt = format_of(paths)
+    seq_len = sequence_length(paths, fmt)
     if seq_len > model_cfg.max_seq_len:
         raise UserError(f"the dataset's sequences ({seq_len} tokens) exceed model.max_seq_len ({model_cfg.max_seq_len})")
 
-    model, tx = Transformer(model_cfg), make_optimizer(train_cfg)
+    model, tx = make_model(model_cfg, train_cfg), make_optimizer(train_cfg)
+    if model_cfg.param_dtype != "float32":
+        log(f"warning: model.param_dtype={model_cfg.param_dtype} keeps master weights and Adam moments in "
+            f"{model_cfg.param_dtype}; for low-precision compute set model.dtype=bfloat16 and keep param_dtype float32")
+    layout = param_layout(model, seq_len, mesh)
     if init_params_dir:
-        params = checkpoint.load_params(init_params_dir, param_layout(model, seq_len, mesh))
+        params = checkpoint.load_params(init_params_dir, layout)
         log(f"initialised from {init_params_dir}")
     else:
         params = init_params(model, seq_len, train_cfg.seed, mesh)
     opt_state = init_opt_state(tx, params, mesh)
-    log(f"model {model_cfg.name}: {param_count(params):,} parameters; mesh {dict(mesh.shape)} over {mesh.size} devices")
+    log(
+        f"model {model_cfg.name}: {param_count(params):,} parameters; mesh {dict(mesh.shape)} over {mesh.size} devices "
+        f"in {jax.process_count()} process(es); {fmt.packing} records of {seq_len} tokens"
+    )
 
-    per_process_batch = train_cfg.batch_size // jax.process_count()
-    data = train_iterator(paths, per_process_batch, train_cfg.seed, jax.process_index(), jax.process_count())
+    primary = jax.process_index() == 0
+    data = train_iterator(
+        paths, train_cfg.batch_size // jax.process_count(), train_cfg.seed, jax.process_index(), jax.process_count(), fmt
+    )
     manager = checkpoint.train_checkpoints(run_dir, train_cfg.keep_checkpoints)
     start = manager.latest_step() or 0
     if start:
-        params, opt_state = checkpoint.restore_train_state(manager, start, _abstract(params), _abstract(opt_state), data)
+        params, opt_state = checkpoint.restore_train_state(manager, start, layout, opt_state_layout(tx, params, mesh), data)
         log(f"resumed from step {start}")
 
     flops = metrics.train_flops_per_step(model_cfg, train_cfg.batch_size, seq_len)
     peak, peak_source = metrics.peak_flops_per_device()
     log(f"{flops / 1e9:,.1f} GFLOP per step; peak {peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     schedule = learning_rate_schedule(train_cfg)
-    step_fn = make_train_step(model, tx)
+    step_fn = make_train_step(model, tx, train_cfg.grad_accum_steps, (layout, opt_state_layout(tx, params, mesh)))
     sharding = batch_sharding(mesh)
-    metrics_log = metrics.MetricsLog(run_dir / METRICS_FILE, train_cfg.steps, train_cfg.log_every, log)
+    metrics_log = metrics.MetricsLog(
+        run_dir / METRICS_FILE if primary else None, train_cfg.steps, train_cfg.log_every, log, resume_step=start,
+        tensorboard_dir=run_dir / TENSORBOARD_DIR if primary and train_cfg.tensorboard else None,
+    )
+    timing = _Timing(schedule, flops, peak, mesh.size, train_cfg.batch_size * seq_len)
     pending: tuple[int, dict[str, jax.Array]] | None = None
-    tokens_per_step = train_cfg.batch_size * seq_len
-    tick = time.perf_counter()
     with mesh, nn.logical_axis_rules(RULES):
         for step in range(start + 1, train_cfg.steps + 1):
             batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in next(data).items()}
             params, opt_state, out = step_fn(params, opt_state, batch)
             if pending:  # read the previous step's metrics now, so logging never stalls the device
-                tick = _record(metrics_log, *pending, tick, schedule, flops, peak, mesh.size, tokens_per_step)
+                timing.record(metrics_log, *pending)
             pending = (step, out)
             if step % train_cfg.checkpoint_every == 0 or step == train_cfg.steps:
-                checkpoint.save_train_state(manager, step, params, opt_state, data)
-        if pending:
-            tick = _record(metrics_log, *pending, tick, schedule, flops, peak, mesh.size, tokens_per_step)
+                # Saving waits for this step anyway; log it first so a checkpoint never precedes its step's row.
+                timing.record(metrics_log, *pending)
+                pending = None
+                checkpoint.save_train_state(manager, step, params, opt_state, data)  # written in the background
     manager.wait_until_finished()
     manager.close()
     metrics_log.close()
+    summary = _run_summary(run_dir / METRICS_FILE, first_step=start + 2) if primary else {}
     return {
         "steps": train_cfg.steps,
         "resumed_from": start,
         "parameters": param_count(params),
         "seq_len": seq_len,
-        "tokens_per_step": tokens_per_step,
-        **_run_summary(run_dir / METRICS_FILE, first_step=start + 2),
+        "packing": fmt.packing,
+        "tokens_per_step": train_cfg.batch_size * seq_len,
+        **summary,
         "peak_flops_per_device": peak,
         "peak_source": peak_source,
     }
 
 
-def _record(
-    log: metrics.MetricsLog, step: int, out: dict[str, jax.Array], tick: float, schedule: optax.Schedule,
-    flops: float, peak: float, devices: int, tokens: int,
-) -> float:
-    """Wait for a step's metrics, time it from the previous step's end, and log it; returns the time now."""
-    values = {k: float(v) for k, v in jax.device_get(out).items()}
-    now = time.perf_counter()
-    seconds = now - tick
-    tflops = flops / seconds / devices / 1e12
-    values.update(
-        learning_rate=float(schedule(step - 1)), step_time=seconds, tokens_per_s=tokens / seconds,
-        tflops_per_device=tflops, mfu=tflops * 1e12 / peak,
-    )
-    log.write(step, values)
-    return now
+class _Timing:
+    """Times each step from the previous step's end and adds throughput to its metrics."""
+
+    def __init__(self, schedule: optax.Schedule, flops: float, peak: float, devices: int, tokens: int):
+        self.schedule, self.flops, self.peak, self.devices, self.tokens = schedule, flops, peak, devices, tokens
+        self.tick = time.perf_counter()
+
+    def record(self, log: metrics.MetricsLog, step: int, out: dict[str, jax.Array]) -> None:
+        """Wait for a step's metrics and log them with its time, tokens/s, TFLOP/s per device and MFU."""
+        values = {k: float(v) for k, v in out.items()}
+        now = time.perf_counter()
+        seconds, self.tick = now - self.tick, now
+        tflops = self.flops / seconds / self.devices / 1e12
+        values.update(
+            learning_rate=float(self.schedule(step - 1)), step_time=seconds, tokens_per_s=self.tokens / seconds,
+            tflops_per_device=tflops, mfu=tflops * 1e12 / self.peak,
+        )
+        log.write(step, values)
 
 
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+def _shardings(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.sharding, tree)
 
 
 def _run_summary(path: Path, first_step: int) -> dict[str, float | None]:

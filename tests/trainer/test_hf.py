@@ -256,7 +256,7 @@ def test_pickle_checkpoint_reads_only_when_allowed(hf_dir, tmp_path):
     model = _hf_model(dtype=torch.bfloat16)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
     cfg = model_config_from_hf(read_hf_config(tmp_path)).model_copy(update={"param_dtype": "bfloat16"})
-    with pytest.raises(UserError, match="allow_pickle=True"):
+    with pytest.raises(UserError, match="hf_allow_pickle=true"):
         ingest(tmp_path, tmp_path / "out", cfg, log=lambda _: None)
     model.save_pretrained(tmp_path / "st")
     from_pickle = load_hf_params(tmp_path, cfg, allow_pickle=True)
