@@ -46,6 +46,15 @@ def test_every_artifact_is_complete_with_a_manifest(pipeline_run):
     assert "val loss" in text and m["model"]["version"] in text
 
 
+def test_eval_report_draws_the_training_curve(pipeline_run):
+    cfg, result = pipeline_run
+    report = Path(result["paths"]["report"])
+    page = (report / "report.html").read_text()
+    assert "<svg" in page and "polyline" in page and "Evaluation report" in page
+    assert "loss.svg" in (report / "report.md").read_text()
+    assert any((Path(result["paths"]["checkpoints"]) / "tensorboard").iterdir())
+
+
 def test_training_lowers_validation_loss(pipeline_run):
     cfg, result = pipeline_run
     dataset = result["paths"]["dataset"]
