@@ -2,9 +2,9 @@
 
 from configs.errors import ConfigError, UserError
 from configs.loader import available, load_config, parse_override, validate
-from configs.schema import Config, DataConfig, EvalConfig, ModelConfig, PipelineConfig, TrainConfig
+from configs.schema import Config, DataConfig, EvalConfig, ExportConfig, ModelConfig, PipelineConfig, TrainConfig
 
 __all__ = [
-    "Config", "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "PipelineConfig", "TrainConfig",
+    "Config", "ConfigError", "DataConfig", "EvalConfig", "ExportConfig", "ModelConfig", "PipelineConfig", "TrainConfig",
     "UserError", "available", "load_config", "parse_override", "validate",
 ]

@@ -110,6 +110,7 @@ class TrainConfig(_Section):
     keep_checkpoints: PosInt
     log_every: PosInt
     mesh: dict[Literal["data", "fsdp", "tensor"], int]
+    dcn_mesh: dict[Literal["data", "fsdp", "tensor"], int]
     remat: Literal["none", "minimal", "full"]
     grad_accum_steps: PosInt
     tensorboard: bool
@@ -119,11 +120,22 @@ class TrainConfig(_Section):
     def _schedule_fits(self) -> "TrainConfig":
         if self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
-        if list(self.mesh.values()).count(-1) > 1:
-            raise ValueError("train.mesh: at most one axis may be -1 (fill the remaining devices)")
-        if any(v == 0 or v < -1 for v in self.mesh.values()):
-            raise ValueError("train.mesh: axis sizes must be positive or -1")
+        for name, axes in (("train.mesh", self.mesh), ("train.dcn_mesh", self.dcn_mesh)):
+            if list(axes.values()).count(-1) > 1:
+                # An override is merged into the base config's axes, which may hold the other -1.
+                raise ValueError(f"{name} {axes}: at most one axis may be -1 (fill the remaining devices); "
+                                 f"give the others a size, e.g. {name}='{{data: 1, fsdp: -1}}'")
+            if any(v == 0 or v < -1 for v in axes.values()):
+                raise ValueError(f"{name}: axis sizes must be positive or -1")
         return self
+
+
+class ExportConfig(_Section):
+    """What the export step writes: dtype and layout of the param-only checkpoint, HF shard size."""
+
+    dtype: Literal["", "float32", "bfloat16"]
+    unscanned: bool
+    max_shard_bytes: PosInt
 
 
 class EvalConfig(_Section):
@@ -207,6 +219,7 @@ class Config(_Section):
     model: ModelConfig
     data: DataConfig
     train: TrainConfig
+    export: ExportConfig
     eval: EvalConfig
     pipeline: PipelineConfig
     resources: ResourcesConfig

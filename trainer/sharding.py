@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import flax.linen as nn
+import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -29,26 +31,53 @@ RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
-def mesh_shape(axes: dict[str, int], num_devices: int) -> tuple[int, ...]:
-    """Axis sizes in MESH_AXES order, with the one -1 axis filling the remaining devices."""
-    sizes = [axes.get(name, 1) for name in MESH_AXES]
+def mesh_shape(
+    axes: dict[str, int], num_devices: int, name: str = "train.mesh", unit: str = "devices"
+) -> tuple[int, ...]:
+    """Axis sizes in MESH_AXES order, the one -1 axis filling the rest of `num_devices` (`unit` in errors)."""
+    sizes = [axes.get(axis, 1) for axis in MESH_AXES]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % fixed:
-            raise UserError(f"train.mesh {axes} does not divide the {num_devices} available devices")
+            raise UserError(f"{name} {axes} does not divide the {num_devices} {unit}")
         sizes[sizes.index(-1)] = num_devices // fixed
     if math.prod(sizes) != num_devices:
-        raise UserError(f"train.mesh {axes} needs {math.prod(sizes)} devices but {num_devices} are available")
+        raise UserError(f"{name} {axes} needs {math.prod(sizes)} {unit} but there are {num_devices}")
     return tuple(sizes)
 
 
-def make_mesh(axes: dict[str, int], devices: list | None = None) -> Mesh:
-    """A mesh over all (or the given) devices with axes data, fsdp, tensor."""
-    devices = devices if devices is not None else jax.devices()
-    shape = mesh_shape(axes, len(devices))
-    # Topology-aware placement on TPU slices (tensor, the most talkative axis, on the closest chips);
-    # elsewhere the devices in order.
-    return Mesh(mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True), MESH_AXES)
+def granules(devices: Sequence[jax.Device]) -> tuple[str, list[list[jax.Device]]]:
+    """The units joined by the data-center network: ("slice", TPU slices) on TPU, else ("process", processes)."""
+    attr = "slice_index" if devices[0].platform == "tpu" else "process_index"
+    groups: dict[int, list[jax.Device]] = {}
+    for device in devices:
+        groups.setdefault(getattr(device, attr, 0), []).append(device)
+    return attr.removesuffix("_index"), [groups[k] for k in sorted(groups)]
+
+
+def device_grid(axes: dict[str, int], devices: Sequence[jax.Device], dcn: dict[str, int] | None = None) -> np.ndarray:
+    """The devices laid out as MESH_AXES: `dcn` sizes across slices/processes times `axes` sizes within each."""
+    unit, groups = granules(devices)
+    dcn_shape = (1,)
+    if any(v != 1 for v in (dcn or {}).values()):
+        dcn_shape = mesh_shape(dcn, len(groups), "train.dcn_mesh", {"slice": "slices", "process": "processes"}[unit])
+    if math.prod(dcn_shape) == 1:
+        # One mesh over all devices. Topology-aware placement on TPU slices (tensor, the most talkative
+        # axis, on the closest chips); elsewhere the devices in order.
+        return mesh_utils.create_device_mesh(mesh_shape(axes, len(devices)), devices, allow_split_physical_axes=True)
+    if len({len(g) for g in groups}) > 1:
+        raise UserError(f"train.dcn_mesh needs as many devices in each {unit}; they have {[len(g) for g in groups]}")
+    ici_shape = mesh_shape(axes, len(groups[0]), "train.mesh", f"devices per {unit}")
+    return mesh_utils.create_hybrid_device_mesh(
+        ici_shape, dcn_shape, devices, process_is_granule=unit == "process", allow_split_physical_axes=True
+    )
+
+
+def make_mesh(
+    axes: dict[str, int], devices: Sequence[jax.Device] | None = None, dcn: dict[str, int] | None = None
+) -> Mesh:
+    """A mesh over all (or the given) devices with axes data, fsdp, tensor; see `device_grid` for `dcn`."""
+    return Mesh(device_grid(axes, devices if devices is not None else jax.devices(), dcn), MESH_AXES)
 
 
 def logical_shardings(boxed_tree: Any, mesh: Mesh) -> Any:

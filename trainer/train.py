@@ -144,7 +144,7 @@ def compile_only(
     documents: bool = False,
 ) -> dict[str, Any]:
     """Lower and compile the train step for the configured mesh from shapes alone; report per-device memory."""
-    mesh = make_mesh(train_cfg.mesh)
+    mesh = make_mesh(train_cfg.mesh, dcn=train_cfg.dcn_mesh)
     check_batch(train_cfg, mesh)
     model, tx = make_model(model_cfg, train_cfg), make_optimizer(train_cfg)
     params = param_layout(model, seq_len, mesh)
@@ -189,7 +189,7 @@ def train(
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    mesh = make_mesh(train_cfg.mesh)
+    mesh = make_mesh(train_cfg.mesh, dcn=train_cfg.dcn_mesh)
     check_batch(train_cfg, mesh)
     paths = shard_paths(dataset_dir, "train")
     fmt = format_of(paths)

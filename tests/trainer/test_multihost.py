@@ -30,6 +30,9 @@ from configs import load_config
 from trainer.train import train
 cfg = load_config("tiny", json.loads(sys.argv[3]))
 train(cfg.model, cfg.train, sys.argv[1], sys.argv[2], log=lambda line: print(jax.process_index(), line, flush=True))
+from trainer.sharding import make_mesh
+mesh = make_mesh(cfg.train.mesh, dcn=cfg.train.dcn_mesh)  # as train() made it: which process holds each position
+print("owners", json.dumps([[[d.process_index for d in r] for r in plane] for plane in mesh.devices]), flush=True)
 """
 
 
@@ -70,11 +73,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_like_one(tmp_path: Path) -> None:
-    data = random_dataset(tmp_path / "data", rows=48, seq_len=32, vocab=512)
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    """The dataset, and the per-step losses of training on it in 1 process of 8 devices."""
+    tmp = tmp_path_factory.mktemp("single")
+    data = random_dataset(tmp / "data", rows=48, seq_len=32, vocab=512)
     cfg = load_config("tiny", OVERRIDES)
-    train(cfg.model, cfg.train, data, tmp_path / "single", log=lambda _: None)  # 1 process, 8 devices
+    train(cfg.model, cfg.train, data, tmp / "run", log=lambda _: None)
+    return data, [json.loads(line)["loss"] for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
 
+
+@pytest.mark.parametrize(
+    "mesh, shape, owners",
+    [
+        # One mesh over all 8 devices, in process order: process 0 holds data 0-3, process 1 data 4-7.
+        ([], "{'data': 8, 'fsdp': 1, 'tensor': 1}", [[[0]], [[0]], [[0]], [[0]], [[1]], [[1]], [[1]], [[1]]]),
+        # data across the 2 processes (DCN), fsdp over each process's 4 devices (ICI).
+        (["train.dcn_mesh={data: 2}", "train.mesh={data: 1, fsdp: -1}"], "{'data': 2, 'fsdp': 4, 'tensor': 1}",
+         [[[0], [0], [0], [0]], [[1], [1], [1], [1]]]),
+    ],
+    ids=["mesh", "dcn_mesh"],
+)
+def test_two_processes_train_like_one(
+    tmp_path: Path, single_run: tuple[Path, list[float]], mesh: list[str], shape: str, owners: list
+) -> None:
+    data, single = single_run
+    overrides = OVERRIDES + mesh
     coordinator = f"127.0.0.1:{_free_port()}"
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MAXPIPE_", "CLUSTER_SPEC"))}
     base.update(PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
@@ -84,7 +108,7 @@ def test_two_processes_train_like_one(tmp_path: Path) -> None:
                                      "task": {"type": "workerpool1", "index": 0}})},
     ]
     procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, str(data), str(tmp_path / "multi"), json.dumps(OVERRIDES)],
+        subprocess.Popen([sys.executable, "-c", WORKER, str(data), str(tmp_path / "multi"), json.dumps(overrides)],
                          cwd=ROOT, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for env in envs
     ]
@@ -92,12 +116,14 @@ def test_two_processes_train_like_one(tmp_path: Path) -> None:
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-3000:]
 
-    rows = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    single, multi = rows(tmp_path / "single"), rows(tmp_path / "multi")
+    assert f"mesh {shape} over 8 devices in 2 process(es)" in outputs[0]
+    assert all(f"owners {json.dumps(owners)}" in out for out in outputs)
+    multi = [json.loads(line) for line in (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in multi] == list(range(1, 7))  # written once, by process 0 only
     assert len(list((tmp_path / "multi" / "tensorboard").iterdir())) == 1
     # Each process reads alternate rows of the same shuffled stream: the global batch holds the same rows in
-    # another order, so the float32 loss sums differ in order only (~1e-7 relative, grown over 6 steps).
-    np.testing.assert_allclose([r["loss"] for r in multi], [r["loss"] for r in single], rtol=1e-5)
+    # another order (and the dcn mesh splits the step's sums another way), so the float32 loss sums differ in
+    # order only (~1e-7 relative, grown over 6 steps).
+    np.testing.assert_allclose([r["loss"] for r in multi], single, rtol=1e-5)
     saved = sorted(p.name for p in (tmp_path / "multi" / "checkpoints" / "6" / "data").glob("process_*"))
     assert saved == ["process_0-of-2.json", "process_1-of-2.json"]
