@@ -90,17 +90,26 @@ def plan_train(cfg: Config, dataset_dir: str | Path, init_dir: str | Path | None
 def plan_export(cfg: Config, train_dir: str | Path, dataset_dir: str | Path, log: Log = print) -> Step:
     """Param-only Orbax checkpoint and a HF directory from the last training checkpoint (a Model artifact)."""
 
+    exp = cfg.export
+
     def work(out: Path) -> dict[str, Any]:
-        from trainer import checkpoint, hf
+        from trainer import checkpoint, hf, layout
 
         step, params = checkpoint.latest_trained_params(train_dir, checkpoint.abstract_params(cfg.model))
-        checkpoint.save_params(out, params)
-        hf_stats = hf.export_hf(params, cfg.model, Path(dataset_dir) / "tokenizer", out / "hf", log=log)
-        log(f"exported step {step}: {out / checkpoint.PARAMS_DIR} and {out / 'hf'}")
-        return {"step": step, "params_dir": checkpoint.PARAMS_DIR, "hf_dir": "hf", "hf": hf_stats}
+        dtype = exp.dtype or cfg.model.param_dtype
+        saved = layout.cast(params, dtype)
+        checkpoint.save_params(out, layout.unscan(saved) if exp.unscanned else saved)
+        del saved
+        hf_stats = hf.export_hf(params, cfg.model, Path(dataset_dir) / "tokenizer", out / "hf", log=log,
+                                dtype=dtype, max_shard_bytes=exp.max_shard_bytes)
+        log(f"exported step {step}: {out / checkpoint.PARAMS_DIR} ({dtype}, "
+            f"{'unscanned' if exp.unscanned else 'scanned'}) and {out / 'hf'}")
+        return {"step": step, "params_dir": checkpoint.PARAMS_DIR, "dtype": dtype, "unscanned": exp.unscanned,
+                "hf_dir": "hf", "hf": hf_stats}
 
     inputs = [artifacts.reference(train_dir), artifacts.reference(dataset_dir)]
-    return Step("export", "exported_model", {"model": cfg.model.model_dump()}, inputs, artifacts.code_version("trainer"), work)
+    config = {"model": cfg.model.model_dump(), "export": exp.model_dump()}
+    return Step("export", "exported_model", config, inputs, artifacts.code_version("trainer"), work)
 
 
 def plan_eval(cfg: Config, model_dir: str | Path, dataset_dir: str | Path, log: Log = print) -> Step:

@@ -1,0 +1,71 @@
+"""Export options: HF safetensors in shards with an index, bfloat16 weights, the unscanned Orbax layout."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from trainer import checkpoint, layout
+from trainer.hf import export_hf, load_hf_params, model_config_from_hf, read_hf_config
+
+TOKENS = np.random.default_rng(0).integers(0, 512, (1, 300))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=512)
+    path = tmp_path_factory.mktemp("hf")
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    return path
+
+
+def logits(path: Path) -> np.ndarray:
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.float().numpy(), model.dtype
+
+
+def test_large_exports_are_sharded_with_an_index_transformers_reads(hf_dir: Path, tmp_path: Path) -> None:
+    cfg = model_config_from_hf(read_hf_config(hf_dir))
+    params = load_hf_params(hf_dir, cfg)
+    stats = export_hf(params, cfg, None, tmp_path / "out", log=lambda _: None, max_shard_bytes=100_000)
+    shards = sorted(p.name for p in (tmp_path / "out").glob("model-*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards and index["metadata"]["total_size"] == stats["bytes"]
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    ours, dtype = logits(tmp_path / "out")
+    reference, _ = logits(hf_dir)
+    np.testing.assert_array_equal(ours, reference)  # the same float32 weights, so bitwise the same logits
+    assert dtype == torch.float32
+
+
+def test_bfloat16_export(hf_dir: Path, tmp_path: Path) -> None:
+    cfg = model_config_from_hf(read_hf_config(hf_dir))
+    export_hf(load_hf_params(hf_dir, cfg), cfg, None, tmp_path / "bf16", log=lambda _: None, dtype="bfloat16")
+    ours, dtype = logits(tmp_path / "bf16")
+    reference, _ = logits(hf_dir)
+    assert dtype == torch.bfloat16
+    # bfloat16 keeps 8 bits of mantissa (relative rounding 2^-9 per weight and per op): a few percent
+    # of the logits' range; a wrong or transposed weight would be off by the whole range.
+    assert np.abs(ours - reference).max() < 0.05 * np.abs(reference).max()
+
+
+def test_unscanned_layout_round_trips_exactly(hf_dir: Path, tmp_path: Path) -> None:
+    cfg = model_config_from_hf(read_hf_config(hf_dir))
+    params = load_hf_params(hf_dir, cfg)
+    flat = layout.unscan(params)
+    assert "layers" not in flat and sorted(k for k in flat if k.startswith("layers_")) == ["layers_0", "layers_1", "layers_2"]
+    np.testing.assert_array_equal(flat["layers_1"]["mlp"]["up_proj"]["kernel"], params["layers"]["mlp"]["up_proj"]["kernel"][1])
+    checkpoint.save_params(tmp_path, flat)
+    back = layout.rescan(checkpoint.load_params(tmp_path))
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    assert layout.rescan(params) is params
+    halves = layout.cast(params, "bfloat16")
+    assert {x.dtype.name for x in jax.tree.leaves(halves)} == {"bfloat16"}
