@@ -602,11 +602,37 @@ def ingest(hf_dir: str | Path, out_dir: str | Path, cfg: ModelConfig, log: Log =
 # ---------------------------------------------------------------------------------------- export
 
 
+def _write_shards(out: Path, entries: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]], dtype: np.dtype,
+                  max_shard_bytes: int) -> int:
+    """`model.safetensors`, or HF's `model-0000i-of-0000n.safetensors` + index when over `max_shard_bytes`."""
+    shards: list[list] = [[]]
+    filled = 0
+    for entry in entries:
+        size = math.prod(entry[1]) * dtype.itemsize
+        if shards[-1] and filled + size > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(entry)
+        filled += size
+    if len(shards) == 1:
+        return _write_safetensors(out / "model.safetensors", entries, dtype)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    total = sum(_write_safetensors(out / name, shard, dtype) for name, shard in zip(names, shards))
+    weight_map = {entry[0]: name for name, shard in zip(names, shards) for entry in shard}
+    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return total
+
+
 def export_hf(params: Any, cfg: ModelConfig, tokenizer_dir: str | Path | None, out_dir: str | Path,
-              log: Log = print) -> dict:
-    """Write `params` as a HF directory of model.family's architecture (config, safetensors, tokenizer), replacing out_dir whole."""
+              log: Log = print, dtype: str = "", max_shard_bytes: int = 5_000_000_000) -> dict:
+    """Write `params` as a HF directory of model.family's architecture (config, safetensors, tokenizer), replacing out_dir whole.
+
+    Weights are written in `dtype` ("" = cfg.param_dtype), split into shards of at most `max_shard_bytes`
+    with a `model.safetensors.index.json` when they do not fit in one file.
+    """
     check_exportable(cfg)
     check_shapes(params, abstract_params(cfg))
+    cfg = cfg.model_copy(update={"param_dtype": dtype}) if dtype else cfg
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -619,7 +645,7 @@ def export_hf(params: Any, cfg: ModelConfig, tokenizer_dir: str | Path | None, o
         _write_json(tmp / "generation_config.json", {
             "_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos,
         })
-        size = _write_safetensors(tmp / "model.safetensors", _export_entries(params, cfg), dtype)
+        size = _write_shards(tmp, _export_entries(params, cfg), dtype, max_shard_bytes)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
