@@ -3,18 +3,24 @@
 A pipeline task is one container on one machine. Training on several GPU machines, or on a TPU
 slice, runs as a custom job whose worker pools start `python -m components.train_worker` on every
 host (Vertex AI tells each one its place through CLUSTER_SPEC, see trainer/distributed.py). The
-launcher plans the step like any other, so a complete version in the store is still a cache hit,
-and a retried launcher's new job resumes from the checkpoints the last one left.
+launcher plans the step like any other, so a complete version in the store is still a cache hit;
+a retried launcher follows the job its last attempt started, or starts one that resumes from the
+checkpoints it left.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from configs import UserError
+from configs import Config, UserError
 from configs.schema import TrainResources
+from components import artifacts
+from components.steps import Step
 from components.vertex_api import api_errors, one_line, vertex_session
 
 Log = Callable[[str], None]
@@ -40,9 +46,10 @@ def worker_pool_specs(res: TrainResources, image: str, args: list[str]) -> list[
     return specs
 
 
-def worker_args(config_json: str, dataset: str, out: str, init: str | None) -> list[str]:
+def worker_args(config_json: str, dataset: str, out: str, init: str | None, version: str) -> list[str]:
     """The command-line arguments of `components.train_worker` for one training run."""
-    return ["--config", config_json, "--dataset", dataset, "--out", out] + (["--init", init] if init else [])
+    args = ["--config", config_json, "--dataset", dataset, "--out", out, "--version", version]
+    return args + (["--init", init] if init else [])
 
 
 def run_custom_job(
@@ -50,55 +57,103 @@ def run_custom_job(
     service_account: str = "", network: str = "", api_endpoint: str | None = None, credentials: Any = None,
     poll_s: float = 30.0, log: Log = print,
 ) -> str:
-    """Create the custom job and wait for it to end; returns its resource name, or raises a one-line UserError."""
+    """Run the custom job to its end; returns its resource name, or raises a one-line UserError.
+
+    A job of this name still running (left by an earlier attempt of the task) is awaited rather than
+    doubled; if this task is stopped (SIGTERM, Ctrl-C, an error) the job is cancelled, not orphaned.
+    """
     from google.cloud import aiplatform
 
-    with vertex_session(project, location, api_endpoint, credentials, log) as creds:
-        job = aiplatform.CustomJob(
-            display_name=display_name, worker_pool_specs=specs, base_output_dir=base_output_dir,
-            staging_bucket=base_output_dir,  # required by the SDK, used only when base_output_dir is not given
-            project=project, location=location, credentials=creds,
-        )
-        with api_errors("Vertex AI refused the training job"):
-            job.submit(service_account=service_account or None, network=network or None)
-        name = job.resource_name
-        log(f"[train] custom job {name}: {sum(s['replica_count'] for s in specs)} hosts")
-        last = None
-        while True:
-            with api_errors(f"cannot read the state of {name}"):
-                state = job.state.name
-            if state != last:
-                log(f"[train] custom job {state.removeprefix('JOB_STATE_').lower()}")
-                last = state
-            if state in _FINAL:
-                break
-            time.sleep(poll_s)
+    with vertex_session(project, location, api_endpoint, credentials, log) as creds, _sigterm_interrupts():
+        where = dict(project=project, location=location, credentials=creds)
+        with api_errors("cannot list Vertex AI training jobs"):
+            running = [j for j in aiplatform.CustomJob.list(filter=f'display_name="{display_name}"', **where)
+                       if j.state.name not in _FINAL]
+        if running:
+            job = running[0]
+            log(f"[train] following custom job {job.resource_name}, still running from an earlier attempt")
+        else:
+            job = aiplatform.CustomJob(
+                display_name=display_name, worker_pool_specs=specs, base_output_dir=base_output_dir,
+                staging_bucket=base_output_dir,  # required by the SDK, used only when base_output_dir is not given
+                **where,
+            )
+            with api_errors("Vertex AI refused the training job"):
+                job.submit(service_account=service_account or None, network=network or None)
+            log(f"[train] custom job {job.resource_name}: {sum(s['replica_count'] for s in specs)} hosts")
+        try:
+            state = _wait(job, poll_s, log)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                job.cancel()
+                log(f"[train] cancelled custom job {job.resource_name}")
+            raise
         if state != "JOB_STATE_SUCCEEDED":
             error = job.gca_resource.error.message
-            raise UserError(f"training job {name} {state.removeprefix('JOB_STATE_').lower()}"
+            raise UserError(f"training job {job.resource_name} {state.removeprefix('JOB_STATE_').lower()}"
                             f"{': ' + one_line(error) if error else ''}")
-    return name
+    return job.resource_name
+
+
+def _wait(job: Any, poll_s: float, log: Log, retries: int = 8) -> str:
+    """Poll until the job ends; a few transient API errors in a row (a days-long job sees some) are retried."""
+    from google.api_core import exceptions
+
+    transient = (exceptions.ServiceUnavailable, exceptions.TooManyRequests, exceptions.InternalServerError,
+                 exceptions.GatewayTimeout, ConnectionError)
+    last, failures = None, 0
+    while True:
+        try:
+            state = job.state.name
+            failures = 0
+        except transient:
+            failures += 1
+            if failures > retries:
+                raise
+            time.sleep(poll_s * 2 ** min(failures, 5))
+            continue
+        if state != last:
+            log(f"[train] custom job {state.removeprefix('JOB_STATE_').lower()}")
+            last = state
+        if state in _FINAL:
+            return state
+        time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (how Vertex AI and Kubernetes stop a task) raises KeyboardInterrupt, so the job gets cancelled."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def train_on_custom_job(
-    step: Any, out: str, config_json: str, dataset: str, init: str | None, *, project: str, location: str,
+    step: Step, out: str, config_json: str, dataset: str, init: str | None, *, project: str, location: str,
     service_account: str = "", network: str = "", api_endpoint: str | None = None, credentials: Any = None,
     poll_s: float = 30.0, log: Log = print,
 ) -> dict[str, Any]:
     """The train step's work done by a custom job: a cache hit if `out` is complete, else launch and wait."""
-    from components import artifacts
-    from configs import Config
-
     cached = artifacts.prepare_output(out, step.version, keep_partial=True)
     if cached is not None:
         log(f"[train] cache hit: version {step.version} is complete at {out}")
         return cached
     res = Config.model_validate_json(config_json).resources
-    specs = worker_pool_specs(res.train, res.image("train"), worker_args(config_json, dataset, out, init))
+    args = worker_args(config_json, dataset, out, init, step.version)
     run_custom_job(
-        f"maxpipe-train-{step.version}", specs, project=project, location=location,
-        base_output_dir=artifacts.mounted_url(out) + "/job", service_account=service_account, network=network,
-        api_endpoint=api_endpoint, credentials=credentials, poll_s=poll_s, log=log,
+        f"maxpipe-train-{step.version}", worker_pool_specs(res.train, res.image("train"), args),
+        project=project, location=location, base_output_dir=artifacts.mounted_url(out) + "/job",
+        service_account=service_account, network=network, api_endpoint=api_endpoint, credentials=credentials,
+        poll_s=poll_s, log=log,
     )
     manifest = artifacts.read_manifest(out)
     if manifest is None or manifest["version"] != step.version:

@@ -58,15 +58,16 @@ def train_job(
     from components.kfp_support import kfp_step, train_init
     from components import steps
 
-    init = []
+    init = None
 
     def plan(cfg):
-        init.append(train_init(cfg, dataset.path, init_params.path if init_params is not None else None))
-        return steps.plan_train(cfg, dataset.path, init[0])
+        nonlocal init
+        init = train_init(cfg, dataset.path, init_params.path if init_params is not None else None)
+        return steps.plan_train(cfg, dataset.path, init)
 
     def run(step, out):
         return custom_job.train_on_custom_job(
-            step, out, config, dataset.path, init[0], project=project, location=location,
+            step, out, config, dataset.path, init, project=project, location=location,
             service_account=service_account, network=network,
         )
 

@@ -23,6 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--init", default=None)
+    parser.add_argument("--version", default=None, help="the version the launcher planned: refuse to train another")
     args = parser.parse_args(argv)
     try:
         from trainer import distributed
@@ -38,6 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(prefix + line, flush=True)
 
         step = steps.plan_train(cfg, args.dataset, args.init, log)
+        if args.version and step.version != args.version:
+            # Another maxpipe (code version) in the train image than in the launcher's image.
+            raise UserError(f"this host plans version {step.version} of the train step but the pipeline planned "
+                            f"{args.version}: build the train image from the same maxpipe as the pipeline's")
         steps.execute(step, args.out, log, primary=index == 0)
     except UserError as err:
         print(f"{ERROR_PREFIX}{err}", flush=True)

@@ -365,6 +365,9 @@ def _submit_or_create(command: str, args: argparse.Namespace, kfp: bool, where: 
     if args.pipeline_root and not any(parse_override(o)[0] == ["pipeline", "root"] for o in overrides):
         overrides.append(f"pipeline.root={args.pipeline_root}")  # the steps write under the run's root
     cfg = load_config(preset, overrides)
+    if kfp and cfg.resources.train.custom_job:
+        raise UserError("multi-host training (resources.train.replicas > 1 or tpu_topology) runs as a Vertex AI "
+                        "custom job: submit with --target vertex, or train on one machine on Kubeflow")
     labels = _labels(args.labels)
     caching = False if args.no_cache else None  # None: keep each step's compile-time caching setting
     display_name = args.display_name or cfg.pipeline.name

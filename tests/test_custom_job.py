@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -107,12 +108,42 @@ def test_launcher_sends_the_job_the_rest_api_documents_and_reports_failure(fake:
     assert pools[0]["containerSpec"] == {"imageUri": "img:1", "command": custom_job.WORKER, "args": ["--x"]}
     assert name.startswith(f"projects/{PROJECT}/locations/{REGION}/customJobs/")
 
+    # A rerun of the task while its job still runs follows that job instead of starting a second one.
+    fake.custom_jobs[name]["state"] = "JOB_STATE_RUNNING"
+    states = iter(["JOB_STATE_RUNNING", "JOB_STATE_SUCCEEDED"])
+    fake.run_custom_job = None
+
+    def advance(method: str, path: str) -> None:
+        if method == "GET" and path.endswith(name.rsplit("/", 1)[1]):
+            fake.custom_jobs[name]["state"] = next(states, "JOB_STATE_SUCCEEDED")
+
+    fake.on_request = advance
+    assert custom_job.run_custom_job("maxpipe-train-v1", specs, base_output_dir="gs://b/j", **where) == name
+    assert len(fake.calls("POST", "/customJobs$")) == 1
+    fake.on_request = None
+
     fake.run_custom_job = lambda body: "The replica workerpool1-0 exited with a non-zero status of 1."
     with pytest.raises(UserError, match=r"training job .* failed: The replica workerpool1-0 exited"):
         custom_job.run_custom_job("maxpipe-train-v2", specs, base_output_dir="gs://b/j", **where)
     fake.fail("POST", "/customJobs$", 403, "PERMISSION_DENIED", "Permission 'aiplatform.customJobs.create' denied")
     with pytest.raises(UserError, match="^Vertex AI refused the training job: 403 Permission 'aiplatform.customJobs"):
         custom_job.run_custom_job("maxpipe-train-v3", specs, base_output_dir="gs://b/j", **where)
+
+
+def test_a_stopped_launcher_cancels_its_job(fake: FakeVertex) -> None:
+    fake.run_custom_job = lambda body: time.sleep(30)  # runs until cancelled
+
+    def stop(line: str) -> None:
+        if line.endswith("running"):
+            raise KeyboardInterrupt  # what SIGTERM becomes in the launcher
+
+    specs = custom_job.worker_pool_specs(load_config("tiny", MULTIHOST).resources.train, "img:1", [])
+    with pytest.raises(KeyboardInterrupt):
+        custom_job.run_custom_job("maxpipe-train-v9", specs, base_output_dir="gs://b/j", project=PROJECT,
+                                  location=REGION, api_endpoint=fake.url, credentials=AnonymousCredentials(),
+                                  poll_s=0.01, log=stop)
+    (cancel,) = fake.calls("POST", ":cancel$")
+    assert fake.custom_jobs[cancel.path.removeprefix("/v1/").removesuffix(":cancel")]["state"] == "JOB_STATE_CANCELLED"
 
 
 def _free_port() -> int:
@@ -172,3 +203,10 @@ def test_pipeline_train_task_trains_on_two_hosts_through_a_custom_job(
         api_endpoint=fake.url, credentials=AnonymousCredentials(), poll_s=0.2, log=lambda _: None,
     )
     assert again == manifest and len(fake.calls("POST", "/customJobs$")) == 1
+
+
+def test_kubeflow_target_refuses_multihost_training_before_any_work(capsys: Any) -> None:
+    from pipelines.vertex import vertex_main
+
+    assert vertex_main(["submit", "tiny", *MULTIHOST, "--target", "kfp", "--host", "http://127.0.0.1:9"]) == 1
+    assert "runs as a Vertex AI custom job: submit with --target vertex" in capsys.readouterr().err

@@ -7,7 +7,7 @@ requests answer with the service's error JSON instead, to test error handling.
 
 FakeVertex speaks the Vertex AI v1 REST surface the google-cloud-aiplatform SDK uses (pipelineJobs
 create/get, schedules create/list/get/pause/resume/delete, the delete operation, customJobs
-create/get, where a test may run the job's worker pools itself) plus the one Cloud
+create/get/list/cancel, where a test may run the job's worker pools itself) plus the one Cloud
 Storage JSON call `PipelineJob.submit` makes (the bucket-exists check on the pipeline root, reached
 through STORAGE_EMULATOR_HOST). FakeKFP speaks the KFP v2beta1 REST API that `kfp.Client` uses.
 """
@@ -56,6 +56,7 @@ class _FakeServer:
     requests: list[Request] = field(default_factory=list)
     _rules: list[_Rule] = field(default_factory=list)
     _ids: Any = field(default_factory=lambda: itertools.count(1001))
+    on_request: Any = None  # called with (method, path) before each request is answered
 
     def __enter__(self) -> "_FakeServer":
         fake = self
@@ -72,6 +73,8 @@ class _FakeServer:
                 query = {k: v[-1] for k, v in parse_qs(url.query).items()}
                 path = unquote(url.path)
                 fake.requests.append(Request(self.command, path, query, body))
+                if fake.on_request:
+                    fake.on_request(self.command, path)
                 try:
                     for rule in fake._rules:
                         if rule.method in (self.command, "*") and re.search(rule.path_re, path):
@@ -147,7 +150,7 @@ class FakeVertex(_FakeServer):
         if kind == "pipelineJobs":
             return self._job(method, parent, rid, query, body)
         if kind == "customJobs":
-            return self._custom_job(method, parent, rid, body)
+            return self._custom_job(method, parent, rid, verb, query, body)
         return self._schedule(method, parent, rid, verb, body)
 
     def _job(self, method: str, parent: str, rid: str | None, query: dict[str, str], body: Json) -> Json:
@@ -170,7 +173,14 @@ class FakeVertex(_FakeServer):
             return {k: v for k, v in job.items() if not k.startswith("_")}
         raise HttpError(404, "NOT_FOUND", f"PipelineJob {name} not found")
 
-    def _custom_job(self, method: str, parent: str, rid: str | None, body: Json) -> Json:
+    def _custom_job(self, method: str, parent: str, rid: str | None, verb: str | None, query: dict[str, str],
+                    body: Json) -> Json:
+        if method == "GET" and rid is None:
+            m = re.fullmatch(r'display_name="([^"]*)"', query.get("filter", ""))
+            wanted = m.group(1) if m else None
+            mine = [dict(j) for n, j in self.custom_jobs.items()
+                    if n.startswith(parent + "/") and wanted in (None, j.get("displayName"))]
+            return {"customJobs": mine} if mine else {}
         if method == "POST" and rid is None:
             name = f"{parent}/customJobs/{next(self._ids)}"
             job = self.custom_jobs[name] = {**body, "name": name, "state": "JOB_STATE_PENDING",
@@ -190,6 +200,9 @@ class FakeVertex(_FakeServer):
         name = f"{parent}/customJobs/{rid}"
         if method == "GET" and name in self.custom_jobs:
             return dict(self.custom_jobs[name])
+        if method == "POST" and verb == "cancel" and name in self.custom_jobs:
+            self.custom_jobs[name]["state"] = "JOB_STATE_CANCELLED"
+            return {}
         raise HttpError(404, "NOT_FOUND", f"CustomJob {name} not found")
 
     def _schedule(self, method: str, parent: str, rid: str | None, verb: str | None, body: Json) -> Json:
@@ -242,7 +255,8 @@ class FakeKFP(_FakeServer):
                 eid = str(next(self._ids))
                 self.experiments[eid] = {**body, "experiment_id": eid, "storage_state": "AVAILABLE"}
                 return self.experiments[eid]
-            wanted = _filter_value(query.get("filter"), "display_name")
+            m = re.fullmatch(r'display_name="([^"]*)"', query.get("filter", ""))
+            wanted = m.group(1) if m else None
             found = [e for e in self.experiments.values() if wanted is None or e["display_name"] == wanted]
             return {"experiments": found, "total_size": len(found)} if found else {}
         if kind == "runs":
