@@ -66,10 +66,13 @@ def format_of(paths: list[str]) -> RecordFormat:
 def sequence_length(paths: list[str], fmt: RecordFormat) -> int:
     """Tokens per sequence, from the first record; a record that does not match the manifest is an error."""
     fields = len(DOCUMENT_FIELDS) if fmt.packing == "documents" else 1
-    nbytes = len(grain.sources.ArrayRecordDataSource(paths[:1])[0])
+    source = grain.sources.ArrayRecordDataSource(paths)  # indexes across shards: an empty first shard is fine
+    if not len(source):
+        raise UserError(f"the split of {paths[0]} holds no sequences in {len(paths)} shard(s)")
+    nbytes = len(source[0])
     if nbytes % (4 * fields) or (fmt.seq_len and nbytes != 4 * fields * fmt.seq_len):
         raise UserError(
-            f"{paths[0]}: a record of {nbytes} bytes does not fit the manifest's record_format "
+            f"{paths[0]}...: a record of {nbytes} bytes does not fit the manifest's record_format "
             f"({fmt.packing}, seq_len {fmt.seq_len or 'unset'}, {fields} int32 field(s))"
         )
     return nbytes // (4 * fields)

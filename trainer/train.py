@@ -202,32 +202,33 @@ def train(
         log(f"warning: model.param_dtype={model_cfg.param_dtype} keeps master weights and Adam moments in "
             f"{model_cfg.param_dtype}; for low-precision compute set model.dtype=bfloat16 and keep param_dtype float32")
     layout = param_layout(model, seq_len, mesh)
-    if init_params_dir:
-        params = checkpoint.load_params(init_params_dir, layout)
-        log(f"initialised from {init_params_dir}")
-    else:
-        params = init_params(model, seq_len, train_cfg.seed, mesh)
-    opt_state = init_opt_state(tx, params, mesh)
-    log(
-        f"model {model_cfg.name}: {param_count(params):,} parameters; mesh {dict(mesh.shape)} over {mesh.size} devices "
-        f"in {jax.process_count()} process(es); {fmt.packing} records of {seq_len} tokens"
-    )
-
+    opt_layout = opt_state_layout(tx, layout, mesh)
     primary = jax.process_index() == 0
     data = train_iterator(
         paths, train_cfg.batch_size // jax.process_count(), train_cfg.seed, jax.process_index(), jax.process_count(), fmt
     )
     manager = checkpoint.train_checkpoints(run_dir, train_cfg.keep_checkpoints)
     start = manager.latest_step() or 0
-    if start:
-        params, opt_state = checkpoint.restore_train_state(manager, start, layout, opt_state_layout(tx, params, mesh), data)
+    if start:  # restored straight into place: no initial state is built first (it would double the memory)
+        params, opt_state = checkpoint.restore_train_state(manager, start, layout, opt_layout, data)
         log(f"resumed from step {start}")
+    else:
+        if init_params_dir:
+            params = checkpoint.load_params(init_params_dir, layout)
+            log(f"initialised from {init_params_dir}")
+        else:
+            params = init_params(model, seq_len, train_cfg.seed, mesh)
+        opt_state = init_opt_state(tx, params, mesh)
+    log(
+        f"model {model_cfg.name}: {param_count(params):,} parameters; mesh {dict(mesh.shape)} over {mesh.size} devices "
+        f"in {jax.process_count()} process(es); {fmt.packing} records of {seq_len} tokens"
+    )
 
     flops = metrics.train_flops_per_step(model_cfg, train_cfg.batch_size, seq_len)
     peak, peak_source = metrics.peak_flops_per_device()
     log(f"{flops / 1e9:,.1f} GFLOP per step; peak {peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     schedule = learning_rate_schedule(train_cfg)
-    step_fn = make_train_step(model, tx, train_cfg.grad_accum_steps, (layout, opt_state_layout(tx, params, mesh)))
+    step_fn = make_train_step(model, tx, train_cfg.grad_accum_steps, (layout, opt_layout))
     sharding = batch_sharding(mesh)
     metrics_log = metrics.MetricsLog(
         run_dir / METRICS_FILE if primary else None, train_cfg.steps, train_cfg.log_every, log, resume_step=start,
@@ -237,7 +238,9 @@ def train(
     pending: tuple[int, dict[str, jax.Array]] | None = None
     with mesh, nn.logical_axis_rules(RULES):
         for step in range(start + 1, train_cfg.steps + 1):
-            batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in next(data).items()}
+            # The global shape makes JAX refuse a mesh whose batch axes do not span the processes.
+            batch = {k: jax.make_array_from_process_local_data(sharding, v, (train_cfg.batch_size, *v.shape[1:]))
+                     for k, v in next(data).items()}
             params, opt_state, out = step_fn(params, opt_state, batch)
             if pending:  # read the previous step's metrics now, so logging never stalls the device
                 timing.record(metrics_log, *pending)
@@ -247,6 +250,7 @@ def train(
                 timing.record(metrics_log, *pending)
                 pending = None
                 checkpoint.save_train_state(manager, step, params, opt_state, data)  # written in the background
+                timing.tick = time.perf_counter()  # the next step's time leaves out starting the save
     manager.wait_until_finished()
     manager.close()
     metrics_log.close()

@@ -111,3 +111,12 @@ def test_packed_row_scores_like_each_document_alone(tmp_path: Path) -> None:
         at += len(doc)
     _, count = token_loss(logits, val["targets"], val["mask"])
     assert count == sum(len(d) - 1 for d in docs)
+
+
+def test_an_empty_first_shard_is_skipped_and_an_empty_split_is_one_line(tmp_path: Path) -> None:
+    write_shard(tmp_path / "train-00000-of-00002.array_record", [])
+    write_shard(tmp_path / "train-00001-of-00002.array_record", [np.arange(16, dtype="<i4")])
+    assert sequence_length(shard_paths(tmp_path, "train"), record_format(tmp_path)) == 16
+    (tmp_path / "train-00001-of-00002.array_record").unlink()
+    with pytest.raises(UserError, match="holds no sequences"):
+        sequence_length(shard_paths(tmp_path, "train"), record_format(tmp_path))
