@@ -1,8 +1,10 @@
 """The Beam graph: read -> tokenize (ids spilled to disk) -> split -> group per shard -> dedup, pack -> write.
 
 Bad records go to a side output, counted and written, sorted, to the dead-letter file. Only small
-per-document entries travel through the per-shard GroupByKey (see spill.py), so the launcher's memory
-does not grow with the corpus' size.
+per-document entries (a few hundred bytes: where the document came from, its hash, where its ids were
+spilled) travel through the per-shard GroupByKey (see spill.py), so the launcher's memory grows with
+the number of documents, not with their text or tokens. Document counts in the stats count what was
+written: a document its mixture weight repeats counts once per copy.
 """
 
 from __future__ import annotations

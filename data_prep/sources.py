@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import sysconfig
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -93,7 +94,8 @@ def read_documents(path: str | Path, text_field: str, skip: Skip, max_bytes: int
     try:
         with storage.open(path, "rb") as f:
             yield from reader(path, f, text_field, skip, max_bytes)
-    except (OSError, EOFError, ValueError):  # a vanished or unreadable file, a truncated gzip, a corrupt Parquet file
+    # A vanished or unreadable file, a truncated or corrupt gzip stream, a corrupt Parquet file.
+    except (OSError, EOFError, ValueError, zlib.error):
         skip("unreadable_file", 0)
 
 
@@ -138,7 +140,7 @@ def _jsonl(path, f, text_field: str, skip: Skip, max_bytes: int) -> Iterator[tup
         except UnicodeDecodeError:
             skip("invalid_utf8", number)
             continue
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's limit
             skip("bad_json", number)
             continue
         text = record.get(text_field) if isinstance(record, dict) else None

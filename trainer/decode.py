@@ -31,7 +31,7 @@ def sample_logits(logits: Array, key: Array, temperature: Array, top_k: Array, t
     ordered = jnp.where(ordered < kth[:, None], -jnp.inf, ordered)
     # Nucleus: keep the most likely tokens while the mass before them is below top_p (the first always stays).
     probs = jax.nn.softmax(ordered, axis=-1)
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+    keep = ((jnp.cumsum(probs, axis=-1) - probs) < top_p) | (top_p >= 1.0)  # 1.0 keeps all: float32 sums round
     cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1)
     scaled = jnp.where(scaled < jnp.maximum(kth, cutoff)[:, None], -jnp.inf, scaled)
     sampled = jax.random.categorical(key, scaled, axis=-1)

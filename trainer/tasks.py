@@ -2,7 +2,7 @@
 
 A task is a local JSON-lines file, one example a line: {"context": str, "choices": [str, ...], "label": int}.
 Accuracy picks the choice with the highest summed log-likelihood; normalised accuracy divides it by the
-choice's length in UTF-8 bytes first (as lm-evaluation-harness's acc_norm).
+choice's length in characters first (as lm-evaluation-harness's acc_norm).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def score_task(
         n = len(ex["choices"])
         ll = np.asarray(scores[pos : pos + n])
         pos += n
-        lengths = np.asarray([len(c.encode()) for c in ex["choices"]])
+        lengths = np.asarray([len(c) for c in ex["choices"]])
         correct += int(np.argmax(ll) == ex["label"])
         correct_norm += int(np.argmax(ll / lengths) == ex["label"])
     return {

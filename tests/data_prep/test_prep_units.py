@@ -81,3 +81,19 @@ def test_shard_round_trip(tmp_path):
     assert np.array_equal(read_shard(path), rows) and [p.name for p in tmp_path.iterdir()] == [path.name]
     write_shard(path, rows[:0])
     assert read_shard(path).shape[0] == 0
+
+
+def test_corrupt_gzip_and_too_deep_json_are_bad_records_not_crashes(tmp_path):
+    import gzip
+
+    from data_prep.sources import read_documents
+
+    blob = bytearray(gzip.compress(b'{"text": "fine"}\n' * 2000))
+    blob[40:60] = b"\xff" * 20  # damage the deflate stream itself, not just its end
+    (tmp_path / "bad.jsonl.gz").write_bytes(bytes(blob))
+    deep = '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    (tmp_path / "deep.jsonl").write_text(deep + '{"text": "ok"}\n')
+    for name, reason in (("bad.jsonl.gz", "unreadable_file"), ("deep.jsonl", "bad_json")):
+        skipped = []
+        list(read_documents(tmp_path / name, "text", lambda why, line: skipped.append(why)))
+        assert reason in skipped, (name, skipped)
