@@ -8,6 +8,7 @@ tools that walk layers one by one (and MaxText's unscanned checkpoints) want `la
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -41,3 +42,23 @@ def cast(params: Any, dtype: str) -> Any:
     if not dtype:
         return params
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def load_params(directory: str | Path, abstract: Any) -> Any:
+    """Params from `directory/params` in either layout and any float dtype, checked and placed like `abstract`."""
+    import orbax.checkpoint as ocp
+
+    from trainer import checkpoint
+
+    path = Path(directory).absolute() / checkpoint.PARAMS_DIR
+    if path.is_dir():
+        with ocp.StandardCheckpointer() as ckptr:
+            stored = ckptr.metadata(path).item_metadata.tree
+        unscanned = "layers" not in stored and any(_LAYER.fullmatch(k) for k in stored)
+        dtypes = {str(x.dtype) for x in jax.tree.leaves(stored)} - {str(x.dtype) for x in jax.tree.leaves(abstract)}
+        if unscanned or dtypes:
+            # Read as stored, restack, and put each leaf where and as the trainer wants it.
+            params = rescan(checkpoint.load_params(directory))
+            checkpoint.check_shapes(params, abstract)
+            return jax.tree.map(lambda x, a: jax.device_put(jnp.asarray(x, a.dtype), a.sharding), params, abstract)
+    return checkpoint.load_params(directory, abstract)

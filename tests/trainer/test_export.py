@@ -69,3 +69,24 @@ def test_unscanned_layout_round_trips_exactly(hf_dir: Path, tmp_path: Path) -> N
     assert layout.rescan(params) is params
     halves = layout.cast(params, "bfloat16")
     assert {x.dtype.name for x in jax.tree.leaves(halves)} == {"bfloat16"}
+
+
+def test_eval_and_training_read_an_unscanned_bfloat16_export(tmp_path: Path) -> None:
+    """The pipeline's export with every option on: eval and continued training read it back."""
+    from components import steps
+    from configs import load_config
+    from tests.helpers import small_corpus
+
+    corpus = small_corpus(tmp_path / "corpus", 120_000)
+    cfg = load_config("tiny", [f"data.input=[{corpus}/*.py]", "train.steps=4", "train.checkpoint_every=2",
+                               "export.unscanned=true", "export.dtype=bfloat16", "export.max_shard_bytes=50000"])
+    quiet = {"log": lambda _: None}
+    steps.prep(cfg, tmp_path / "data", **quiet)
+    steps.train(cfg, tmp_path / "data", tmp_path / "train", **quiet)
+    export = steps.export(cfg, tmp_path / "train", tmp_path / "data", tmp_path / "export", **quiet)
+    assert export["stats"]["unscanned"] and export["stats"]["dtype"] == "bfloat16"
+    assert (tmp_path / "export" / "hf" / "model.safetensors.index.json").is_file()
+    report = steps.evaluate(cfg, tmp_path / "export", tmp_path / "data", tmp_path / "eval", **quiet)
+    assert report["stats"]["val_loss"] > 0
+    again = steps.train(cfg, tmp_path / "data", tmp_path / "continued", tmp_path / "export", **quiet)
+    assert again["stats"]["steps"] == 4 and again["inputs"][1]["version"] == export["version"]
