@@ -69,7 +69,8 @@ def plan_ingest(cfg: Config, hf_dir: str | Path, log: Log = print) -> Step:
         return hf.ingest(hf_dir, out, cfg.model, log=log, allow_pickle=allow_pickle)
 
     version = _hf_fingerprint(hf_dir, allow_pickle)
-    inputs = [{"kind": "hf_checkpoint", "version": version, "uri": str(Path(hf_dir).absolute())}]
+    uri = str(hf_dir) if "://" in str(hf_dir) else str(Path(hf_dir).absolute())
+    inputs = [{"kind": "hf_checkpoint", "version": version, "uri": uri}]
     config = {"model": cfg.model.model_dump(), "allow_pickle": allow_pickle}
     return Step("ingest", "params", config, inputs, artifacts.code_version("trainer"), work)
 
@@ -229,9 +230,16 @@ def tokenizer_source(cfg: Config) -> str:
 
 def _hf_fingerprint(hf_dir: str | Path, pickle: bool = False) -> str:
     """The config and each weight file's name and size: cheap, and changes whenever the checkpoint does."""
-    hf_dir = Path(hf_dir)
-    config = hf_dir / "config.json"
+    import fnmatch
+
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(hf_dir))  # a local directory or any fsspec URL (gs://...)
     patterns = ["*.safetensors", "*.json"] + (["*.bin", "*.pt"] if pickle else [])
-    files = sorted((p.name, p.stat().st_size) for pattern in patterns for p in hf_dir.glob(pattern))
-    key = json.dumps({"config": config.read_text() if config.is_file() else None, "files": files}, sort_keys=True)
+    entries = fs.ls(root, detail=True) if fs.isdir(root) else []
+    names = [(e["name"].rsplit("/", 1)[-1], e["size"]) for e in entries if e["type"] == "file"]
+    files = sorted((name, size) for name, size in names if any(fnmatch.fnmatch(name, p) for p in patterns))
+    config = f"{root.rstrip('/')}/config.json"
+    text = fs.cat_file(config).decode() if fs.isfile(config) else None
+    key = json.dumps({"config": text, "files": files}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]

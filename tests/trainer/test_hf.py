@@ -126,7 +126,7 @@ def test_ingest_matches_hf_logits(hf_dir, tmp_path, tokens):
     stats = ingest(hf_dir, tmp_path / "ours", cfg, log=lambda _: None)
     assert stats["parameters"] == 139_584 and stats["dtype"] == "float32"
     assert stats["hf_config"]["architectures"] == ["LlamaForCausalLM"]
-    assert [p.name for p in (tmp_path / "ours").iterdir()] == ["params"]  # written in parts; nothing else left
+    assert [p.name for p in (tmp_path / "ours").iterdir()] == ["params"]  # nothing else left behind
 
     params = load_params(tmp_path / "ours", abstract_params(cfg))
     ref = _torch_logits(LlamaForCausalLM.from_pretrained(hf_dir).eval(), tokens)
