@@ -19,7 +19,9 @@ from pipelines.lineage_store import LineageStore, store_path
 Log = Callable[[str], None]
 # Chatter of Beam's worker processes (apitools is only needed for Dataflow), hidden unless --debug.
 # FnApiRunner's workers log at INFO whatever --default_sdk_harness_log_level says.
-NOISE = ("apitools not found", "Logging handler created", "INFO:apache_beam.")
+# Beam's SDK harness workers run as __main__ and log their start and end at INFO.
+NOISE = ("apitools not found", "Logging handler created", "INFO:apache_beam.", "INFO:__main__:",
+         "WARNING:__main__:No semi_persistent_directory")
 
 
 def run_local(cfg: Config, verbose: bool = False, log: Log = print) -> dict[str, Any]:
