@@ -114,6 +114,8 @@ class TrainConfig(_Section):
     remat: Literal["none", "minimal", "full"]
     grad_accum_steps: PosInt
     tensorboard: bool
+    eval_every: NonNegInt
+    eval_batches: PosInt
     continue_from: Literal["", "latest_export"]
 
     @model_validator(mode="after")

@@ -26,7 +26,8 @@ from tests.helpers import small_corpus, tiny_hf_llama
 def pipeline_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     corpus = small_corpus(tmp / "corpus")
-    cfg = load_config("tiny", [f"data.input={corpus}/*.py", f"pipeline.root={tmp / 'runs'}", "train.steps=40"])
+    cfg = load_config("tiny", [f"data.input={corpus}/*.py", f"pipeline.root={tmp / 'runs'}", "train.steps=40",
+                                "train.eval_every=20", "train.eval_batches=2"])
     return cfg, run_local(cfg)
 
 
@@ -50,7 +51,9 @@ def test_eval_report_draws_the_training_curve(pipeline_run):
     cfg, result = pipeline_run
     report = Path(result["paths"]["report"])
     page = (report / "report.html").read_text()
-    assert "<svg" in page and "polyline" in page and "Evaluation report" in page
+    assert 'data-name="train"' in page and 'data-name="validation"' in page and "Evaluation report" in page
+    rows = [json.loads(line) for line in (Path(result["paths"]["checkpoints"]) / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [20, 40]
     assert "loss.svg" in (report / "report.md").read_text()
     assert any((Path(result["paths"]["checkpoints"]) / "tensorboard").iterdir())
 

@@ -88,7 +88,7 @@ class MetricsLog:
         if self.events is not None:
             self.events.scalars(step, metrics)
         self.window.append(metrics)
-        if step == 1 or step % self.every == 0 or step == self.total:
+        if step == 1 or step % self.every == 0 or step == self.total or "val_loss" in metrics:
             seconds = sum(m["step_time"] for m in self.window)
             rate = lambda key: sum(m[key] * m["step_time"] for m in self.window) / seconds  # noqa: E731
             eta = seconds / len(self.window) * (self.total - step)
@@ -96,6 +96,7 @@ class MetricsLog:
                 f"step {step}/{self.total}  loss {metrics['loss']:.4f}  lr {metrics['learning_rate']:.2e}  "
                 f"grad_norm {metrics['grad_norm']:.3f}  {rate('tokens_per_s'):,.0f} tok/s  "
                 f"{rate('tflops_per_device'):.3f} TFLOP/s/device  MFU {100 * rate('mfu'):.1f}%  eta {eta:.0f}s"
+                + (f"  val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
             )
             self.window = []
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,7 +19,7 @@ from configs import ModelConfig, TrainConfig, UserError
 from trainer import checkpoint, metrics
 from trainer.layout import load_params as load_params_any_layout
 from trainer.data import format_of, sequence_length, shard_paths, train_iterator
-from trainer.evaluate import token_loss
+from trainer.evaluate import token_loss, validation_loss
 from trainer.model import Transformer, param_count
 from trainer.optimizer import learning_rate_schedule, make_optimizer
 from trainer.sharding import RULES, batch_sharding, logical_shardings, make_mesh, replicated
@@ -236,6 +238,13 @@ def train(
         tensorboard_dir=run_dir / TENSORBOARD_DIR if primary and train_cfg.tensorboard else None,
     )
     timing = _Timing(schedule, flops, peak, mesh.size, train_cfg.batch_size * seq_len)
+    # Each process would read the whole val split: in multi-process runs the eval step does validation.
+    val_paths = None
+    if train_cfg.eval_every and jax.process_count() == 1:
+        try:
+            val_paths = shard_paths(dataset_dir, "val")
+        except UserError:
+            log("no val shards: no validation loss during training")
     pending: tuple[int, dict[str, jax.Array]] | None = None
     with mesh, nn.logical_axis_rules(RULES):
         for step in range(start + 1, train_cfg.steps + 1):
@@ -246,6 +255,11 @@ def train(
             if pending:  # read the previous step's metrics now, so logging never stalls the device
                 timing.record(metrics_log, *pending)
             pending = (step, out)
+            if val_paths and step % train_cfg.eval_every == 0:
+                jax.block_until_ready(out)  # the step counts in its time, the validation after it does not
+                with timing.excluded():
+                    val = validation_loss(params, model_cfg, val_paths, train_cfg.batch_size, train_cfg.eval_batches, mesh)
+                pending = (step, {**out, "val_loss": jnp.float32(val["loss"])})
             if step % train_cfg.checkpoint_every == 0 or step == train_cfg.steps:
                 # Saving waits for this step anyway; log it first so a checkpoint never precedes its step's row.
                 timing.record(metrics_log, *pending)
@@ -275,6 +289,13 @@ class _Timing:
     def __init__(self, schedule: optax.Schedule, flops: float, peak: float, devices: int, tokens: int):
         self.schedule, self.flops, self.peak, self.devices, self.tokens = schedule, flops, peak, devices, tokens
         self.tick = time.perf_counter()
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Leave the time spent inside out of the current step's time."""
+        start = time.perf_counter()
+        yield
+        self.tick += time.perf_counter() - start
 
     def record(self, log: metrics.MetricsLog, step: int, out: dict[str, jax.Array]) -> None:
         """Wait for a step's metrics and log them with its time, tokens/s, TFLOP/s per device and MFU."""
