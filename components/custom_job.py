@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from configs import Config, UserError
 from configs.schema import TrainResources
 from components import artifacts
+from components.polling import wait_for_state
 from components.steps import Step
 from components.vertex_api import api_errors, one_line, vertex_session
 
@@ -82,7 +82,10 @@ def run_custom_job(
                 job.submit(service_account=service_account or None, network=network or None)
             log(f"[train] custom job {job.resource_name}: {sum(s['replica_count'] for s in specs)} hosts")
         try:
-            state = _wait(job, poll_s, log)
+            def show(state: str) -> None:
+                log(f"[train] custom job {state.removeprefix('JOB_STATE_').lower()}")
+
+            state = wait_for_state(lambda: job.state.name, _FINAL, show, poll_s, transient=_transient_errors())
         except BaseException:
             with contextlib.suppress(Exception):
                 job.cancel()
@@ -95,29 +98,12 @@ def run_custom_job(
     return job.resource_name
 
 
-def _wait(job: Any, poll_s: float, log: Log, retries: int = 8) -> str:
-    """Poll until the job ends; a few transient API errors in a row (a days-long job sees some) are retried."""
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    """API errors a days-long wait sees now and then, retried rather than failing the task (and the job)."""
     from google.api_core import exceptions
 
-    transient = (exceptions.ServiceUnavailable, exceptions.TooManyRequests, exceptions.InternalServerError,
-                 exceptions.GatewayTimeout, ConnectionError)
-    last, failures = None, 0
-    while True:
-        try:
-            state = job.state.name
-            failures = 0
-        except transient:
-            failures += 1
-            if failures > retries:
-                raise
-            time.sleep(poll_s * 2 ** min(failures, 5))
-            continue
-        if state != last:
-            log(f"[train] custom job {state.removeprefix('JOB_STATE_').lower()}")
-            last = state
-        if state in _FINAL:
-            return state
-        time.sleep(poll_s)
+    return (exceptions.ServiceUnavailable, exceptions.TooManyRequests, exceptions.InternalServerError,
+            exceptions.GatewayTimeout, ConnectionError)
 
 
 @contextlib.contextmanager

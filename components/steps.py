@@ -117,11 +117,11 @@ def plan_eval(cfg: Config, model_dir: str | Path, dataset_dir: str | Path, log: 
     """Validation loss, perplexity, samples and task scores of an exported model, and a report (a metrics artifact)."""
 
     def work(out: Path) -> dict[str, Any]:
-        from trainer import checkpoint, layout
+        from trainer import checkpoint
         from trainer.evaluate import evaluate
         from trainer.report import write_report
 
-        params = layout.load_params(model_dir, checkpoint.abstract_params(cfg.model))  # any export layout/dtype
+        params = checkpoint.load_params(model_dir, checkpoint.abstract_params(cfg.model))
         results = evaluate(params, cfg.model, cfg.eval, dataset_dir, log=log)
         (out / "metrics.json").write_text(json.dumps(results, indent=2))
         write_report(out, results, _training_metrics(model_dir))

@@ -12,12 +12,12 @@ import contextlib
 import io
 import json
 import logging
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from configs import UserError
+from components.polling import wait_for_state
 from pipelines.vertex import normalize_cron
 
 Log = Callable[[str], None]
@@ -45,17 +45,15 @@ def kfp_submit(
     log(f"submitted run {info['name']}")
     log(f"console: {info['url']}")
     if wait:
-        last = None
-        while True:
+        run = None
+
+        def read() -> str:
+            nonlocal run
             with _kfp_errors(f"cannot read the state of run {info['name']}", host):
                 run = client.get_run(info["name"])
-            state = _state(run.state)
-            if state != last:
-                log(f"{info['name']}: {state.lower()}")
-                last = state
-            if state in _FINAL_STATES:
-                break
-            time.sleep(poll_s)
+            return _state(run.state)
+
+        state = wait_for_state(read, _FINAL_STATES, lambda s: log(f"{info['name']}: {s.lower()}"), poll_s)
         info["state"] = state
         if state != "SUCCEEDED":
             error = getattr(run.error, "message", None) if run.error else None

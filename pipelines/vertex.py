@@ -27,6 +27,7 @@ import zoneinfo
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from components.polling import wait_for_state
 from components.vertex_api import api_errors as _api_errors
 from components.vertex_api import one_line as _one_line
 from components.vertex_api import vertex_session as _vertex
@@ -69,16 +70,14 @@ def submit(
 
 
 def _wait(job: Any, info: dict[str, Any], poll_s: float, log: Log) -> str:
-    last = None
-    while True:
+    def read() -> str:
         with _api_errors(f"cannot read the state of {info['job_id']}"):
-            state = job.state.name  # a GET of the run
-        if state != last:
-            log(f"{info['job_id']}: {state.removeprefix('PIPELINE_STATE_').lower()}")
-            last = state
-        if state in _FINAL_STATES:
-            break
-        time.sleep(poll_s)
+            return job.state.name  # a GET of the run
+
+    def show(state: str) -> None:
+        log(f"{info['job_id']}: {state.removeprefix('PIPELINE_STATE_').lower()}")
+
+    state = wait_for_state(read, _FINAL_STATES, show, poll_s)
     if state != "PIPELINE_STATE_SUCCEEDED":
         error = job.gca_resource.error.message
         raise UserError(f"pipeline run {info['job_id']} {state.removeprefix('PIPELINE_STATE_').lower()}"

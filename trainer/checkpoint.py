@@ -17,6 +17,7 @@ from orbax.checkpoint import future as ocp_future
 from orbax.checkpoint import type_handlers
 
 from configs import ModelConfig, UserError
+from trainer import layout
 
 PARAMS_DIR = "params"
 
@@ -122,15 +123,25 @@ def save_lazy_params(directory: str | Path, params: Any, max_bytes: int = 0) -> 
 
 
 def load_params(directory: str | Path, abstract: Any | None = None) -> Any:
-    """Read a param tree from `directory/params`; with `abstract` (shapes/dtypes/shardings) it is checked and placed."""
+    """Read a param tree from `directory/params`; with `abstract` (shapes/dtypes/shardings) it is checked and placed.
+
+    The checkpoint may hold the unscanned layout or another float dtype (see trainer/layout.py): it is
+    then read as stored, restacked and cast to what `abstract` asks for.
+    """
     path = Path(directory).absolute() / PARAMS_DIR
     if not path.is_dir():
         raise UserError(f"no parameter checkpoint at {path}")
     with ocp.StandardCheckpointer() as ckptr:
         if abstract is None:
             return ckptr.restore(path)
-        check_shapes(ckptr.metadata(path).item_metadata.tree, abstract)
-        return ckptr.restore(path, abstract)
+        stored = ckptr.metadata(path).item_metadata.tree
+        dtypes = {str(x.dtype) for x in jax.tree.leaves(stored)} - {str(x.dtype) for x in jax.tree.leaves(abstract)}
+        if not layout.is_unscanned(stored) and not dtypes:
+            check_shapes(stored, abstract)
+            return ckptr.restore(path, abstract)
+        params = layout.rescan(ckptr.restore(path))
+    check_shapes(params, abstract)
+    return jax.tree.map(lambda x, a: jax.device_put(np.asarray(x, a.dtype), a.sharding), params, abstract)
 
 
 def check_shapes(stored: Any, expected: Any) -> None:

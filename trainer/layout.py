@@ -8,7 +8,6 @@ tools that walk layers one by one (and MaxText's unscanned checkpoints) want `la
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -27,6 +26,11 @@ def unscan(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def is_unscanned(params: dict[str, Any]) -> bool:
+    """Whether a tree has per-layer subtrees (`layers_0`, ...) rather than stacked `layers`."""
+    return "layers" not in params and any(_LAYER.fullmatch(k) for k in params)
+
+
 def rescan(params: dict[str, Any]) -> dict[str, Any]:
     """`layers_0` ... `layers_{n-1}` -> `layers` [n, ...]; a scanned tree is returned as it is."""
     indices = sorted(int(m.group(1)) for k in params if (m := _LAYER.fullmatch(k)))
@@ -43,22 +47,3 @@ def cast(params: Any, dtype: str) -> Any:
         return params
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
-
-def load_params(directory: str | Path, abstract: Any) -> Any:
-    """Params from `directory/params` in either layout and any float dtype, checked and placed like `abstract`."""
-    import orbax.checkpoint as ocp
-
-    from trainer import checkpoint
-
-    path = Path(directory).absolute() / checkpoint.PARAMS_DIR
-    if path.is_dir():
-        with ocp.StandardCheckpointer() as ckptr:
-            stored = ckptr.metadata(path).item_metadata.tree
-        unscanned = "layers" not in stored and any(_LAYER.fullmatch(k) for k in stored)
-        dtypes = {str(x.dtype) for x in jax.tree.leaves(stored)} - {str(x.dtype) for x in jax.tree.leaves(abstract)}
-        if unscanned or dtypes:
-            # Read as stored, restack, and put each leaf where and as the trainer wants it.
-            params = rescan(checkpoint.load_params(directory))
-            checkpoint.check_shapes(params, abstract)
-            return jax.tree.map(lambda x, a: jax.device_put(jnp.asarray(x, a.dtype), a.sharding), params, abstract)
-    return checkpoint.load_params(directory, abstract)

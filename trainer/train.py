@@ -17,7 +17,6 @@ import flax.linen as nn
 
 from configs import ModelConfig, TrainConfig, UserError
 from trainer import checkpoint, metrics
-from trainer.layout import load_params as load_params_any_layout
 from trainer.data import format_of, sequence_length, shard_paths, train_iterator
 from trainer.evaluate import token_loss, validation_loss
 from trainer.model import Transformer, param_count
@@ -217,7 +216,7 @@ def train(
         log(f"resumed from step {start}")
     else:
         if init_params_dir:
-            params = load_params_any_layout(init_params_dir, layout)  # ingested, or an export in any layout/dtype
+            params = checkpoint.load_params(init_params_dir, layout)
             log(f"initialised from {init_params_dir}")
         else:
             params = init_params(model, seq_len, train_cfg.seed, mesh)
