@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import ctypes
+import logging
 import math
 import weakref
 from collections.abc import Callable
@@ -13,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts  # orbax-checkpoint's own storage layer
 from orbax.checkpoint import future as ocp_future
 from orbax.checkpoint import type_handlers
 
@@ -32,94 +36,181 @@ def save_params(directory: str | Path, params: Any) -> Path:
 
 @dataclass(frozen=True)
 class LazyParam:
-    """A parameter that `fill(out)` writes into an array of its shape and dtype when it is saved."""
+    """A parameter written when it is saved, in `parts` equal slices along `axis`: `fill(out, k)` writes
+    slice k into a contiguous `out`, which is then stored on its own (the array is chunked that way)."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
-    fill: Callable[[np.ndarray], None]
+    fill: Callable[[np.ndarray, int], None]
+    axis: int = 0
+    parts: int = 1
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        return tuple(n // self.parts if i == self.axis else n for i, n in enumerate(self.shape))
+
+    @property
+    def part_nbytes(self) -> int:
+        return self.nbytes // self.parts
+
+    def part(self, k: int) -> tuple[slice, ...]:
+        """Where slice k lies in the parameter."""
+        n = self.shape[self.axis] // self.parts
+        return (slice(None),) * self.axis + (slice(k * n, (k + 1) * n),)
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by tensorstore's written copies back to the OS.
+
+    glibc keeps freed blocks of this size in its per-thread heaps (after the first free it stops mapping
+    them), and with tensorstore's threads RSS crept to 0.6x the model (benchmarks/RESULTS.md).
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except AttributeError:  # not glibc
+        pass
+
+
+class _Ring:
+    """A ring buffer of parts: a part's bytes are reused once tensorstore has copied them out.
+
+    Reused, not allocated per part, because first-touching fresh memory costs more than the copy into
+    it (numbers in benchmarks/RESULTS.md).
+    """
+
+    def __init__(self, size: int) -> None:
+        self.buffer, self.head = np.empty(size, np.uint8), 0
+        self.copying: collections.deque[tuple[int, int, Any, weakref.ref]] = collections.deque()
+
+    async def take(self, nbytes: int) -> tuple[int, np.ndarray]:
+        """Room for `nbytes` after the last part taken, waiting for the oldest copies until it is free."""
+        start = self.head if self.head + nbytes <= self.buffer.nbytes else 0
+        while any(s < start + nbytes and start < e for s, e, _, _ in self.copying):
+            if not await self._finish(*self.copying.popleft()):
+                await self.drain()  # tensorstore kept a part: leave this buffer to it and go on in a new one
+                self.buffer, start = np.empty(self.buffer.nbytes, np.uint8), 0
+                break
+        self.head = start + nbytes
+        return start, self.buffer[start : start + nbytes]
+
+    def copied_when(self, start: int, part: np.ndarray, copy: Any) -> None:
+        self.copying.append((start, start + part.nbytes, copy, weakref.ref(part)))
+
+    async def drain(self) -> None:
+        while self.copying:
+            await self._finish(*self.copying.popleft())
+
+    @staticmethod
+    async def _finish(start: int, end: int, copy: Any, part: weakref.ref) -> bool:
+        """Wait for a copy; True once tensorstore has also let go of its source (it may, a moment after)."""
+        await copy
+        for _ in range(1000):
+            if part() is None:
+                return True
+            await asyncio.sleep(0.001)
+        return False
+
 
 class _LazyParamHandler(type_handlers.NumpyHandler):
-    """Writes LazyParams one after another, each filled into a reused buffer just before its write.
+    """Writes LazyParams part by part: each is filled into a ring buffer and handed to tensorstore,
+    which copies it and writes it out while the next parts are filled.
 
-    The buffer (an arena of max(max_bytes, largest parameter)) is reused because first-touching fresh
-    memory costs more than the copy into it (numbers in benchmarks/RESULTS.md). The next parameter is
-    filled (in a thread) while the current one is written when both fit in the arena side by side.
-    Stored exactly as Orbax stores a numpy array (type 'np.ndarray'), so any restore reads it unchanged.
+    At most max_bytes are handed over and not yet on disk. Stored exactly as Orbax stores a numpy array
+    (type 'np.ndarray', chunked by part), so any restore reads it unchanged.
     """
 
     def __init__(self, max_bytes: int) -> None:
-        # The arena is not touched while its slice is written: no defensive copy.
         super().__init__(deepcopy_host_arrays=False)
         self.max_bytes = max_bytes
 
     async def serialize(self, values: Any, infos: Any, args: Any = None) -> list[ocp_future.Future]:
-        args = args or [type_handlers.SaveArgs()] * len(values)
-        size = max([self.max_bytes, *(v.nbytes for v in values)])
+        largest = max((v.part_nbytes for v in values), default=0)
+        ring = _Ring(2 * largest)  # filling one part while tensorstore copies the last
+        limit = max(self.max_bytes, largest)
 
-        async def write_in_turn() -> None:
-            arena = np.empty(size, np.uint8)
-
-            def filled_at(lazy: LazyParam, out: np.ndarray) -> np.ndarray:
-                lazy.fill(out)
-                return out
-
-            def fill(k: int, start: int) -> asyncio.Future:
-                out = arena[start : start + values[k].nbytes].view(values[k].dtype).reshape(values[k].shape)
-                return asyncio.ensure_future(asyncio.to_thread(filled_at, values[k], out))
-
-            filled: asyncio.Future | None = fill(0, 0) if values else None
+        async def write_all() -> None:
+            writing: collections.deque[tuple[int, Any]] = collections.deque()  # handed over, not yet on disk
+            held = 0
             try:
-                for k, (info, arg) in enumerate(zip(infos, args)):
-                    value = await (filled or fill(k, 0))
-                    # Fill the next one beside this one (after it, else before it) when there is room.
-                    start = value.ctypes.data - arena.ctypes.data
-                    end, nxt = start + value.nbytes, None
-                    if k + 1 < len(values):
-                        n = values[k + 1].nbytes
-                        nxt = end if end + n <= size else 0 if n <= start else None
-                    filled = fill(k + 1, nxt) if nxt is not None else None
-                    # NumpyHandler's own write of one array (its tensorstore spec, OCDBT, no copy of the source);
-                    # its public serialize() wants every array of the batch made at once, which is what we avoid.
-                    await self._background_serialize([value], [info], [arg])
-                    written = weakref.ref(value)
-                    del value
-                    # Tensorstore may let go of the array a moment after the write completes: never fill over
-                    # it before then (and if it keeps it, go on in a new arena).
-                    for _ in range(1000):
-                        if written() is None:
-                            break
-                        await asyncio.sleep(0.001)
-                    else:
-                        if filled is not None:
-                            await asyncio.wait([filled])
-                        arena, filled = np.empty(size, np.uint8), None
-            finally:
-                if filled is not None:  # a failed write leaves the next fill running: let it end first
-                    await asyncio.wait([filled])
+                # Opened (their metadata written) all at once: one by one, each open waits for the writes before it.
+                stores = await asyncio.gather(*(self._open(lazy, info) for lazy, info in zip(values, infos)))
+                for lazy, store in zip(values, stores):
+                    for k in range(lazy.parts):
+                        start, raw = await ring.take(lazy.part_nbytes)
+                        part = raw.view(lazy.dtype).reshape(lazy.part_shape)
+                        await asyncio.to_thread(lazy.fill, part, k)
+                        if held + lazy.part_nbytes > limit:  # wait until enough is on disk
+                            while held + lazy.part_nbytes > limit:
+                                nbytes, commit = writing.popleft()
+                                await commit
+                                held -= nbytes
+                            _release_freed_memory()
+                        # Copied by tensorstore: faster than letting it reference the part (measured), and it
+                        # frees the part for the next fill at once.
+                        write = store[lazy.part(k)].write(part)
+                        ring.copied_when(start, part, write.copy)
+                        writing.append((lazy.part_nbytes, write.commit))
+                        held += lazy.part_nbytes
+                        del part, raw
+            finally:  # also after a failure: no write may outlive its source
+                await ring.drain()
+                for _, commit in writing:
+                    await commit
 
-        return [ocp_future.CommitFutureAwaitingContractedSignals(write_in_turn(), name="lazy_params")]
+        return [ocp_future.CommitFutureAwaitingContractedSignals(write_all(), name="lazy_params")]
+
+    async def _open(self, lazy: LazyParam, info: Any) -> Any:
+        """The tensorstore NumpyHandler would write to (its spec), in chunks of one part each."""
+        await info.await_path_creation()
+        ocdbt = info.is_ocdbt_checkpoint
+        spec = type_handlers.get_json_tspec_write(
+            info, use_ocdbt=ocdbt, global_shape=lazy.shape, local_shape=lazy.shape, dtype=lazy.dtype,
+            process_index=jax.process_index() if ocdbt else None, metadata_key=self._metadata_key,
+        )
+        # Orbax's chunking heuristic (SaveArgs.chunk_byte_size) may split another axis than the parts' one.
+        spec["metadata"]["chunks"] = list(lazy.part_shape)
+        return await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
 
 
 def save_lazy_params(directory: str | Path, params: Any, max_bytes: int = 0) -> Path:
     """Write a tree of LazyParams as the param-only checkpoint at `directory/params`.
 
-    Holds about max(max_bytes, the largest parameter) of them; with room for two, filling the next
-    overlaps writing the last. Uncompressed: zstd gains little on weights and cost a third of the write time.
+    Holds two parts being filled and at most max(max_bytes, the largest part) handed to tensorstore and
+    not yet on disk. Uncompressed: zstd gains little on weights and cost a third of the write time.
     """
     path = Path(directory).absolute() / PARAMS_DIR
     # jax.Array's handler too, though no leaf is one: Orbax warns when a registry lacks it.
     registry = type_handlers.create_type_handler_registry(
         (LazyParam, _LazyParamHandler(max_bytes)), (jax.Array, type_handlers.ArrayHandler())
     )
-    handler = ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry)
-    with ocp.Checkpointer(handler) as ckptr:
-        ckptr.save(path, args=ocp.args.PyTreeSave(params), force=True)
+    # One file per part rather than OCDBT's shared files: with OCDBT the same ingest took 1.4-2x as long
+    # (its commits wait on each other); the checkpoint reads the same either way.
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False, use_zarr3=False,
+                                          type_handler_registry=registry)
+    # Orbax tries an OCDBT merge after every save and warns when there was nothing to merge.
+    quiet = _Without("Skipping merge of OCDBT checkpoints")
+    logging.getLogger("absl").addFilter(quiet)
+    try:
+        with ocp.Checkpointer(handler) as ckptr:
+            ckptr.save(path, args=ocp.args.PyTreeSave(params), force=True)
+    finally:
+        logging.getLogger("absl").removeFilter(quiet)
     return path
+
+
+class _Without(logging.Filter):
+    """Drops log records that contain `text`."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 def load_params(directory: str | Path, abstract: Any | None = None) -> Any:

@@ -25,7 +25,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 from pydantic import ValidationError
 
@@ -386,6 +385,7 @@ class _Source:
 
 
 _BLOCK_BYTES = 8 << 20  # how much of a tensor is read at once when it must be converted on the way
+_SPLIT_BYTES = 1 << 20  # a stacked parameter whose layers are this big is converted and written layer by layer
 
 
 class _SafetensorsFile:
@@ -566,8 +566,8 @@ def _converted_params(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) 
         yield spec, value
 
 
-def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Callable[[_Tensor, np.ndarray], None]:
-    """Check the checkpoint's tensor names and shapes; return fill(spec, out), converting one parameter into `out`."""
+def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Callable[..., None]:
+    """Check the checkpoint's tensor names and shapes; return fill(spec, out, k=0, parts=1), converting one parameter."""
     files = _open_checkpoint(_Source(hf_dir), allow_pickle)
     dtype = np.dtype(cfg.param_dtype)
     expected = {name for spec in _layout(cfg) for name in _hf_names(spec, cfg)}
@@ -592,23 +592,24 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
                 )
     scratch = np.empty(0, np.uint8)  # one fill runs at a time (the lazy save makes sure), so one buffer
 
-    def copy(spec: _Tensor, name: str, out: np.ndarray) -> None:
-        """out[...] = to_ours(the tensor), reading it once."""
+    def copy(spec: _Tensor, name: str, out: np.ndarray, first: int = 0, count: int | None = None) -> None:
+        """out[...] = to_ours(rows first.. first+count of the tensor, default all), reading them once."""
         nonlocal scratch
         file, transpose = files[name], _is_transpose(spec)
         src_dtype = file.dtype(name)
-        rows_out = out.reshape(spec.hf_shape[::-1] if transpose else (spec.hf_shape[0] if spec.hf_shape else 1, -1))
+        count = (spec.hf_shape[0] if spec.hf_shape else 1) - first if count is None else count
+        width = math.prod(spec.hf_shape[1:])  # elements in one row of the tensor
+        rows_out = out.reshape((width, count) if transpose else (count, width))
         if src_dtype == dtype and not transpose:
-            file.read_into(name, rows_out)  # the same bytes in the same order: straight into place
+            file.read_into(name, rows_out, first)  # the same bytes in the same order: straight into place
             return
-        shape = spec.hf_shape if transpose else rows_out.shape  # of the tensor as rows
-        rows = max(1, min(shape[0], _BLOCK_BYTES // max(1, shape[1] * src_dtype.itemsize)))
-        if scratch.nbytes < rows * shape[1] * src_dtype.itemsize:
-            scratch = np.empty(rows * shape[1] * src_dtype.itemsize, np.uint8)
-        for start in range(0, shape[0], rows):
-            n = min(rows, shape[0] - start)
-            buffer = scratch[: n * shape[1] * src_dtype.itemsize].view(src_dtype).reshape(n, shape[1])
-            block = file.rows(name, start, buffer)
+        rows = max(1, min(count, _BLOCK_BYTES // max(1, width * src_dtype.itemsize)))
+        if scratch.nbytes < rows * width * src_dtype.itemsize:
+            scratch = np.empty(rows * width * src_dtype.itemsize, np.uint8)
+        for start in range(0, count, rows):
+            n = min(rows, count - start)
+            buffer = scratch[: n * width * src_dtype.itemsize].view(src_dtype).reshape(n, width)
+            block = file.rows(name, first + start, buffer)
             if not transpose:
                 rows_out[start : start + n] = block
                 continue
@@ -621,9 +622,17 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
                 j = min(i + 128, n)
                 dst[:, start + i : start + j] = src[i:j].T
 
-    def fill(spec: _Tensor, out: np.ndarray) -> None:
-        for i, name in enumerate(_hf_names(spec, cfg)):
-            copy(spec, name, out[i] if spec.stacked else out)
+    def fill(spec: _Tensor, out: np.ndarray, k: int = 0, parts: int = 1) -> None:
+        """Convert part k of `parts` of the parameter into `out`: all of it, layer k, or block k of the tensor's rows."""
+        names = _hf_names(spec, cfg)
+        if parts == 1:
+            for i, name in enumerate(names):
+                copy(spec, name, out[i] if spec.stacked else out)
+        elif spec.stacked:
+            copy(spec, names[k], out[0])
+        else:
+            n = spec.hf_shape[0] // parts
+            copy(spec, names[0], out, k * n, n)
 
     return fill
 
@@ -632,6 +641,20 @@ def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
+
+
+def _lazy_param(spec: _Tensor, cfg: ModelConfig, fill: Callable[..., None], part_bytes: int) -> LazyParam:
+    """The parameter as parts converted and written one by one: its layers, or blocks of the tensor's rows."""
+    shape, dtype = _stacked_shape(spec, cfg), np.dtype(cfg.param_dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if spec.stacked:  # layer by layer, unless the layers are tiny (norm scales)
+        axis, parts = 0, cfg.num_layers if nbytes // cfg.num_layers >= _SPLIT_BYTES else 1
+    else:  # the embedding and output head: blocks of vocabulary rows
+        rows = spec.hf_shape[0] if spec.hf_shape else 1
+        divisors = [p for p in range(1, 65) if rows % p == 0]
+        axis, parts = len(shape) - 1 if _is_transpose(spec) else 0, next(
+            (p for p in divisors if nbytes // p <= part_bytes), divisors[-1])
+    return LazyParam(shape, dtype, partial(fill, spec, parts=parts), axis, parts)
 
 
 def ingest(hf_dir: str | Path, out_dir: str | Path, cfg: ModelConfig, log: Log = print, allow_pickle: bool = False) -> dict:
@@ -645,12 +668,15 @@ def ingest(hf_dir: str | Path, out_dir: str | Path, cfg: ModelConfig, log: Log =
     log(f"ingest: converting {hf_dir} to {cfg.param_dtype}")
     fill = _converter(hf_dir, cfg, allow_pickle)
     tree: dict = {}
-    for spec in _layout(cfg):
-        _put(tree, spec.path, LazyParam(_stacked_shape(spec, cfg), np.dtype(cfg.param_dtype), partial(fill, spec)))
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LazyParam))
-    n = sum(math.prod(x.shape) for x in leaves)
-    # Converting the next parameter while the last is written, with at most a quarter of the model in hand.
-    path = save_lazy_params(out_dir, tree, max_bytes=sum(x.nbytes for x in leaves) // 4)
+    # The next part is converted while the last ones are written; at most an eighth of the model (and 1 GiB)
+    # is handed to tensorstore and not yet on disk.
+    specs = _layout(cfg)
+    size = sum(math.prod(_stacked_shape(s, cfg)) for s in specs) * np.dtype(cfg.param_dtype).itemsize
+    max_bytes = min(size // 8, 1 << 30)
+    for spec in specs:
+        _put(tree, spec.path, _lazy_param(spec, cfg, fill, part_bytes=max_bytes // 4))
+    n = sum(math.prod(_stacked_shape(s, cfg)) for s in specs)
+    path = save_lazy_params(out_dir, tree, max_bytes=max_bytes)
     log(f"ingest: {n:,} parameters written to {path}")
     return {
         "source": str(hf_dir),

@@ -78,11 +78,17 @@ def test_url_errors_name_the_url(sharded_dir):
         load_hf_params("memory://pickled", _cfg(sharded_dir), allow_pickle=True)
 
 
-def test_conversion_in_small_blocks_matches_transformers(sharded_dir, tmp_path, monkeypatch):
-    # Blocks of 11 rows: transposes and the bfloat16 -> float32 cast cross many block edges.
+@pytest.mark.parametrize("by_layer", [True, False])
+def test_conversion_in_small_blocks_matches_transformers(sharded_dir, tmp_path, monkeypatch, by_layer):
+    # Blocks of 11 rows: transposes and the bfloat16 -> float32 cast cross many block edges. The
+    # embedding and head are written in blocks of vocabulary rows; the layers one by one or stacked whole.
     monkeypatch.setattr(hf, "_BLOCK_BYTES", 11 * 64 * 2)
+    monkeypatch.setattr(hf, "_SPLIT_BYTES", 0 if by_layer else 1 << 40)
     cfg = _cfg(sharded_dir, "float32")
     ingest(sharded_dir, tmp_path / "out", cfg, log=lambda _: None)
+    chunks = lambda name: json.loads((tmp_path / "out" / "params" / name / ".zarray").read_text())["chunks"]  # noqa: E731
+    assert chunks("layers.mlp.gate_proj.kernel") == ([1, 64, 192] if by_layer else [2, 64, 192])
+    assert chunks("embed.embedding")[0] < 300 and chunks("lm_head.kernel")[1] < 300
     params = load_params(tmp_path / "out", abstract_params(cfg))
     tokens = np.random.default_rng(0).integers(0, 300, (1, 64))
     ours = np.asarray(Transformer(cfg).apply({"params": params}, tokens))
@@ -135,21 +141,41 @@ def test_truncated_shard_fails_the_ingest(sharded_dir, tmp_path):
 
 
 @pytest.mark.parametrize("max_bytes", [0, 20_000])
-def test_lazy_save_fills_a_bounded_buffer_and_never_overwrites_a_write(tmp_path, max_bytes):
+def test_lazy_save_writes_parts_through_a_small_ring_and_never_overwrites_one_in_flight(tmp_path, max_bytes):
     spans: list[tuple[int, int]] = []
 
     def fill_with(k: int):
-        def fill(out: np.ndarray) -> None:
+        def fill(out: np.ndarray, part: int) -> None:
+            assert out.flags.c_contiguous
             spans.append((out.ctypes.data, out.ctypes.data + out.nbytes))
-            out[...] = k
+            out[...] = 100 * k + part
         return fill
 
-    sizes = [2000 if k % 2 else 1000 for k in range(9)]  # 8000 and 4000 bytes of float32, alternating
-    tree = {f"p{k}": LazyParam((n,), np.dtype("float32"), fill_with(k)) for k, n in enumerate(sizes)}
+    f32 = np.dtype("float32")
+    sizes = [2000 if k % 2 else 1000 for k in range(6)]  # 8000 and 4000 bytes, alternating
+    tree = {f"p{k}": LazyParam((n,), f32, fill_with(k)) for k, n in enumerate(sizes)}
+    tree["layers"] = LazyParam((4, 300), f32, fill_with(6), axis=0, parts=4)  # a stacked parameter, by layer
+    tree["head"] = LazyParam((50, 40), f32, fill_with(7), axis=1, parts=4)  # column blocks
     save_lazy_params(tmp_path, tree, max_bytes=max_bytes)
-    # Every parameter went into one reused buffer of max(max_bytes, the largest parameter) ...
-    assert max(e for _, e in spans) - min(s for s, _ in spans) <= max(max_bytes, 8000)
-    # ... and none was filled over one still being written: each restores to its own value.
+    # Every part went into one reused ring of twice the largest part ...
+    assert max(e for _, e in spans) - min(s for s, _ in spans) <= 2 * 8000
+    # ... and none was filled over one still being handed over: each restores to its own value.
     restored = load_params(tmp_path)
     for k, n in enumerate(sizes):
-        np.testing.assert_array_equal(restored[f"p{k}"], np.full(n, k, np.float32))
+        np.testing.assert_array_equal(restored[f"p{k}"], np.full(n, 100 * k, np.float32))
+    np.testing.assert_array_equal(restored["layers"], np.repeat(600 + np.arange(4, dtype=np.float32)[:, None], 300, 1))
+    np.testing.assert_array_equal(restored["head"], np.repeat(700 + np.arange(4, dtype=np.float32), 10)[None].repeat(50, 0))
+    # Stored one chunk per part, so that each part is written on its own.
+    chunks = {name: json.loads((tmp_path / "params" / name / ".zarray").read_text())["chunks"] for name in ("layers", "head")}
+    assert chunks == {"layers": [1, 300], "head": [50, 10]}
+
+
+def test_a_failed_fill_publishes_nothing(tmp_path):
+    def fill(out: np.ndarray, part: int) -> None:
+        if part == 2:
+            raise UserError("bad tensor")
+        out[...] = part
+
+    with pytest.raises(UserError, match="bad tensor"):
+        save_lazy_params(tmp_path, {"w": LazyParam((4, 1000), np.dtype("float32"), fill, parts=4)})
+    assert not (tmp_path / "params").exists()
