@@ -30,16 +30,19 @@ def load_config(preset: str | None = None, overrides: Sequence[str] = ()) -> Con
         raise ConfigError(f"unknown preset {preset!r}{_suggest(preset, available('presets'))}")
     merged = _read_yaml(CONFIG_DIR / "base.yml")
     preset_tree = _read_yaml(CONFIG_DIR / "presets" / f"{preset}.yml")
+    parsed = [parse_override(item) for item in overrides]
     override_tree: dict[str, Any] = {}
-    for item in overrides:
-        path, value = parse_override(item)
+    for path, value in parsed:
         _set(override_tree, path, value)
     named = [_model_name(tree) for tree in (override_tree, preset_tree)]
     model_name = next((n for n in named if n), merged["model"]["name"])
     if model_name not in available("models"):
         raise ConfigError(f"model: unknown model {model_name!r}{_suggest(model_name, available('models'))}")
-    for tree in ({"model": _read_yaml(CONFIG_DIR / "models" / f"{model_name}.yml")}, preset_tree, override_tree):
+    for tree in ({"model": _read_yaml(CONFIG_DIR / "models" / f"{model_name}.yml")}, preset_tree):
         _merge(merged, tree)
+    # Each override sets what it names: `train.mesh={fsdp: -1}` the whole mesh, `train.mesh.fsdp=2` one axis.
+    for path, value in parsed:
+        _set(merged, path, value)
     merged["model"]["name"] = model_name
     return validate(merged)
 

@@ -124,9 +124,9 @@ class TrainConfig(_Section):
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be below train.steps ({self.steps})")
         for name, axes in (("train.mesh", self.mesh), ("train.dcn_mesh", self.dcn_mesh)):
             if list(axes.values()).count(-1) > 1:
-                # An override is merged into the base config's axes, which may hold the other -1.
+                # `train.mesh.fsdp=-1` changes one axis of the base mesh, whose data axis is -1 already.
                 raise ValueError(f"{name} {axes}: at most one axis may be -1 (fill the remaining devices); "
-                                 f"give the others a size, e.g. {name}='{{data: 1, fsdp: -1}}'")
+                                 f"{name}='{{fsdp: -1}}' sets the whole mesh (axes left out are 1)")
             if any(v == 0 or v < -1 for v in axes.values()):
                 raise ValueError(f"{name}: axis sizes must be positive or -1")
         return self

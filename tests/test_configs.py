@@ -20,6 +20,13 @@ def test_merge_order_base_model_preset_overrides():
     assert cfg.eval.prompt == "def f(x):"  # strings are taken verbatim
 
 
+def test_a_dict_override_sets_the_whole_value():
+    assert load_config("tiny", ["train.mesh={fsdp: -1}"]).train.mesh == {"fsdp": -1}
+    assert load_config("tiny", ["train.mesh={fsdp: -1}", "train.mesh.tensor=2"]).train.mesh == {"fsdp": -1, "tensor": 2}
+    with pytest.raises(ConfigError, match=r"at most one axis may be -1 .*train.mesh='\{fsdp: -1\}' sets the whole mesh"):
+        load_config("tiny", ["train.mesh.fsdp=-1"])
+
+
 def test_model_can_be_chosen_by_name():
     assert load_config(None, ["model=tiny"]).model.emb_dim == 64
 
