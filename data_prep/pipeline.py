@@ -258,13 +258,18 @@ def _direct_runner(options: PipelineOptions) -> beam.runners.PipelineRunner | No
 
     Beam's DirectRunner first tries the Prism runner, which downloads a binary from GitHub (offline
     that fails and is logged; online the job would run elsewhere than configured). FnApiRunner is
-    what it falls back to, and it honours direct_running_mode and direct_num_workers.
+    what it falls back to, and it honours direct_running_mode and direct_num_workers. The options
+    reach the SDK workers as the DirectRunner hands them over (without them the workers log at INFO).
     """
     if not is_direct(options):
         return None
-    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+    from apache_beam.portability.api import beam_provision_api_pb2
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+    from apache_beam.runners.portability.portable_runner import JobServiceHandle
 
-    return FnApiRunner()
+    encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
+    info = beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)
+    return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(info))
 
 
 def shard_names(cfg: DataConfig) -> list[str]:

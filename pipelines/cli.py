@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Any, Sequence
@@ -121,7 +122,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         compile_pipeline(cfg, args.output)
         print(f"wrote {args.output}")
     else:
-        manifest = _run_step(args.command, cfg, paths)
+        from pipelines.local import filtered_stderr
+
+        with contextlib.nullcontext() if args.debug or args.command != "prep" else filtered_stderr():
+            manifest = _run_step(args.command, cfg, paths)
         print(f"{args.command}: {paths['output']} version {manifest['version']}")
     return 0
 

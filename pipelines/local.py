@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -18,10 +20,38 @@ from pipelines.lineage_store import LineageStore, store_path
 
 Log = Callable[[str], None]
 # Chatter of Beam's worker processes (apitools is only needed for Dataflow), hidden unless --debug.
-# FnApiRunner's workers log at INFO whatever --default_sdk_harness_log_level says.
-# Beam's SDK harness workers run as __main__ and log their start and end at INFO.
+# The SDK harness workers run as __main__ and log their start at INFO before they read the options.
 NOISE = ("apitools not found", "Logging handler created", "INFO:apache_beam.", "INFO:__main__:",
          "WARNING:__main__:No semi_persistent_directory")
+
+
+@contextlib.contextmanager
+def filtered_stderr(noise: tuple[str, ...] = NOISE) -> Iterator[None]:
+    """Drop lines containing any of `noise` from what this process and its children write to stderr.
+
+    Beam's worker processes inherit the file descriptor, so sys.stderr alone cannot be swapped.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def pump() -> None:
+        with os.fdopen(read, "rb") as pipe, os.fdopen(os.dup(saved), "wb", buffering=0) as out:
+            for line in pipe:
+                if not any(n.encode() in line for n in noise):
+                    out.write(line)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        thread.join(timeout=5)  # until the pipe's last writer (a lingering worker) has gone
 
 
 def run_local(cfg: Config, verbose: bool = False, log: Log = print) -> dict[str, Any]:

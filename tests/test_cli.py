@@ -59,6 +59,16 @@ def test_steps_one_by_one_with_cache(corpus, tmp_path, capsys):
     assert metrics["val_loss"] > 0 and metrics["val_perplexity"] > 1
 
 
+def test_prep_with_beam_worker_processes_prints_only_its_own_lines(corpus, tmp_path, capfd):
+    common = ["tiny", f"data.input={corpus}/*.py", "data.beam_args=[--direct_num_workers=1]"]
+    code, out, err = maxpipe(capfd, "prep", *common, f"output={tmp_path / 'a'}")
+    assert code == 0 and "prep:" in out
+    assert err == "", err  # Beam's workers' start-up lines are dropped
+    # Even unfiltered (--debug) the workers log only what precedes reading the pipeline options.
+    code, out, err = maxpipe(capfd, "prep", *common, f"output={tmp_path / 'b'}", "--debug")
+    assert code == 0 and "INFO:apache_beam.runners.worker" not in out + err
+
+
 def test_missing_corpus_and_tokenizer_are_one_line(corpus, tmp_path, capsys):
     code, _, err = maxpipe(capsys, "prep", "tiny", f"data.input={tmp_path}/none/*.txt", f"output={tmp_path / 'a'}")
     assert code == 1 and "no input files match" in one_error_line(err)
