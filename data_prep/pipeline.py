@@ -170,8 +170,8 @@ def _shard(split: str, shard_key: int, counts: dict[str, int]) -> str:
 
 
 def _assign(entry: Entry, smallest: list[int], threshold: int, counts: dict[str, int]) -> tuple[str, Entry]:
-    """(shard name, entry). Val if the split key is below the threshold; the document with the smallest key
-    always goes to val, so val is never empty."""
+    """(shard name, entry). Val if the split key is below the threshold; the kept document with the
+    smallest key always goes to val, so val is never empty."""
     split = "val" if entry.split_key < threshold or [entry.split_key] == smallest else "train"
     return _shard(split, entry.shard_key, counts), entry
 
@@ -304,7 +304,12 @@ def build(
         )
     )
     entries = tokenized.entries
-    smallest = entries | "SplitKeys" >> beam.Map(lambda e: e.split_key) | "Smallest" >> beam.combiners.Top.Smallest(1)
+    # Among documents with tokens kept: one its train weight dropped could not be written to val.
+    smallest = (
+        entries
+        | "SplitKeys" >> beam.FlatMap(lambda e: [e.split_key] if e.spill else [])
+        | "Smallest" >> beam.combiners.Top.Smallest(1)
+    )
     counts = {"train": cfg.train_shards, "val": cfg.val_shards}
     keyed = entries | "Split" >> beam.Map(_assign, beam.pvalue.AsSingleton(smallest), threshold, counts)
     # An empty placeholder per shard, so that every shard file is written even if no document lands in it.

@@ -110,3 +110,15 @@ def test_weights_need_one_per_input():
     with pytest.raises(ConfigError, match=r"data.weights has 2 values for 1 data.input globs"):
         load_config(None, ["data.weights=[1, 2]"])
     assert load_config(None, ["data.input=[a, b]", "data.weights=[1, 0.5]"]).data.weights == [1, 0.5]
+
+
+def test_the_document_forced_into_val_is_one_that_is_kept(tmp_path):
+    # With a tiny val_fraction, val is the one document with the smallest split key. Most documents
+    # here are in a glob whose weight drops almost all of them: the forced one must not be among those.
+    code = write_corpus(tmp_path / "code", n=3, seed=5)
+    (tmp_path / "web").mkdir()
+    lines = [f"web page {i} " + "text " * (i % 13) for i in range(100)]
+    (tmp_path / "web" / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    patterns = [str(code / "*"), str(tmp_path / "web" / "*")]
+    stats = prepare(make_cfg(patterns, weights=[1.0, 0.01], val_fraction=1e-9), 400, tmp_path / "out", **QUIET)
+    assert stats["documents"]["val"] == 1 and stats["tokens"]["val"] > 0
