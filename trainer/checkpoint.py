@@ -119,8 +119,8 @@ class _LazyParamHandler(type_handlers.NumpyHandler):
     """Writes LazyParams part by part: each is filled into a ring buffer and handed to tensorstore,
     which copies it and writes it out while the next parts are filled.
 
-    At most max_bytes are handed over and not yet on disk. Stored exactly as Orbax stores a numpy array
-    (type 'np.ndarray', chunked by part), so any restore reads it unchanged.
+    At most max(max_bytes, the largest part) is handed over and not yet on disk. Stored exactly as Orbax
+    stores a numpy array (type 'np.ndarray', chunked by part), so any restore reads it unchanged.
     """
 
     def __init__(self, max_bytes: int) -> None:
