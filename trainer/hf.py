@@ -18,6 +18,7 @@ import mmap
 import shutil
 import struct
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -643,6 +644,23 @@ def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
+class _Progress:
+    """Logs every tenth of `total` bytes converted, with the rate so far."""
+
+    def __init__(self, total: int, log: Log) -> None:
+        self.total, self.log, self.done, self.start = total, log, 0, time.perf_counter()
+
+    def add(self, nbytes: int) -> None:
+        tenth = self.done * 10 // max(1, self.total)
+        self.done += nbytes
+        if self.done * 10 // max(1, self.total) > tenth and self.done < self.total:
+            mib = self.done / 2**20
+            self.log(f"ingest: {self.done / self.total:.0%} converted ({mib:,.1f} MiB, {mib / self.seconds():,.0f} MiB/s)")
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
 def _lazy_param(spec: _Tensor, cfg: ModelConfig, fill: Callable[..., None], part_bytes: int) -> LazyParam:
     """The parameter as parts converted and written one by one: its layers, or blocks of the tensor's rows."""
     shape, dtype = _stacked_shape(spec, cfg), np.dtype(cfg.param_dtype)
@@ -665,19 +683,24 @@ def ingest(hf_dir: str | Path, out_dir: str | Path, cfg: ModelConfig, log: Log =
     if hf_max and cfg.max_seq_len > hf_max:
         log(f"ingest: note: model.max_seq_len {cfg.max_seq_len} exceeds the checkpoint's "
             f"max_position_embeddings {hf_max}")
-    log(f"ingest: converting {hf_dir} to {cfg.param_dtype}")
-    fill = _converter(hf_dir, cfg, allow_pickle)
+    specs = _layout(cfg)
+    n = sum(math.prod(_stacked_shape(s, cfg)) for s in specs)
+    size = n * np.dtype(cfg.param_dtype).itemsize
+    log(f"ingest: converting {hf_dir} to {cfg.param_dtype} ({n:,} parameters, {size / 2**20:,.1f} MiB)")
+    convert, progress = _converter(hf_dir, cfg, allow_pickle), _Progress(size, log)
+
+    def fill(spec: _Tensor, out: np.ndarray, k: int = 0, parts: int = 1) -> None:
+        convert(spec, out, k, parts)
+        progress.add(out.nbytes)
+
     tree: dict = {}
     # The next part is converted while the last ones are written; at most an eighth of the model (and 1 GiB)
     # is handed to tensorstore and not yet on disk.
-    specs = _layout(cfg)
-    size = sum(math.prod(_stacked_shape(s, cfg)) for s in specs) * np.dtype(cfg.param_dtype).itemsize
     max_bytes = min(size // 8, 1 << 30)
     for spec in specs:
         _put(tree, spec.path, _lazy_param(spec, cfg, fill, part_bytes=max_bytes // 4))
-    n = sum(math.prod(_stacked_shape(s, cfg)) for s in specs)
     path = save_lazy_params(out_dir, tree, max_bytes=max_bytes)
-    log(f"ingest: {n:,} parameters written to {path}")
+    log(f"ingest: {n:,} parameters written to {path} in {progress.seconds():.1f}s")
     return {
         "source": str(hf_dir),
         "family": cfg.family,
