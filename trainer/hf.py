@@ -666,12 +666,12 @@ def _lazy_param(spec: _Tensor, cfg: ModelConfig, fill: Callable[..., None], part
     shape, dtype = _stacked_shape(spec, cfg), np.dtype(cfg.param_dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if spec.stacked:  # layer by layer, unless the layers are tiny (norm scales)
-        axis, parts = 0, cfg.num_layers if nbytes // cfg.num_layers >= _SPLIT_BYTES else 1
-    else:  # the embedding and output head: blocks of vocabulary rows
+        axis, parts = 0, (cfg.num_layers if nbytes // cfg.num_layers >= _SPLIT_BYTES else 1)
+    else:  # the embedding and output head: blocks of vocabulary rows (our columns when transposed)
         rows = spec.hf_shape[0] if spec.hf_shape else 1
         divisors = [p for p in range(1, 65) if rows % p == 0]
-        axis, parts = len(shape) - 1 if _is_transpose(spec) else 0, next(
-            (p for p in divisors if nbytes // p <= part_bytes), divisors[-1])
+        parts = next((p for p in divisors if nbytes // p <= part_bytes), divisors[-1])
+        axis = len(shape) - 1 if _is_transpose(spec) else 0
     return LazyParam(shape, dtype, partial(fill, spec, parts=parts), axis, parts)
 
 
