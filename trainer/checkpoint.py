@@ -10,6 +10,7 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ class LazyParam:
     fill: Callable[[np.ndarray, int], None]
     axis: int = 0
     parts: int = 1
+    group: Any = None  # LazyParams of one group are written one after another (they share a source, say)
 
     @property
     def nbytes(self) -> int:
@@ -138,7 +140,11 @@ class _LazyParamHandler(type_handlers.NumpyHandler):
             try:
                 # Opened (their metadata written) all at once: one by one, each open waits for the writes before it.
                 stores = await asyncio.gather(*(self._open(lazy, info) for lazy, info in zip(values, infos)))
-                for lazy, store in zip(values, stores):
+                first: dict[Any, int] = {}
+                for i, lazy in enumerate(values):
+                    first.setdefault(i if lazy.group is None else lazy.group, i)
+                order = sorted(range(len(values)), key=lambda i: (first[i if values[i].group is None else values[i].group], i))
+                for lazy, store in ((values[i], stores[i]) for i in order):
                     for k in range(lazy.parts):
                         start, raw = await ring.take(lazy.part_nbytes)
                         part = raw.view(lazy.dtype).reshape(lazy.part_shape)
@@ -325,16 +331,122 @@ def restore_train_state(
     return restored["params"], restored["opt_state"]
 
 
-def latest_trained_params(run_dir: str | Path, abstract: Any | None = None) -> tuple[int, Any]:
-    """The step and params of the newest complete checkpoint of a training run (no optimizer state)."""
+@dataclass(frozen=True)
+class StoredArray:
+    """An array of a checkpoint on disk: indexing gives a view, still on disk; np.asarray reads it."""
+
+    store: Any  # a tensorstore (or a view of one)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.store.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.store.dtype.numpy_dtype)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __getitem__(self, index: Any) -> StoredArray:
+        return StoredArray(self.store[index])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        value = self.store.read().result()
+        return value if dtype is None else value.astype(dtype)
+
+
+def stored_params(directory: str | Path) -> Any:
+    """The param tree of the Orbax checkpoint at `directory` as StoredArrays, nothing read yet."""
+    path = Path(directory).absolute()
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.metadata(path).item_metadata.tree
+    ocdbt = type_handlers.is_ocdbt_checkpoint(path)
+    context = type_handlers.get_ts_context(use_ocdbt=ocdbt)
+
+    def open_array(meta: Any) -> StoredArray:
+        errors = []
+        for zarr3 in (False, True):  # Orbax writes zarr (v2) unless told otherwise; its metadata does not say
+            info = type_handlers.ParamInfo(name=meta.name, parent_dir=path, is_ocdbt_checkpoint=ocdbt,
+                                           use_zarr3=zarr3, ts_context=context)
+            try:
+                spec = type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
+                return StoredArray(ts.open(ts.Spec(spec), read=True, context=context).result())
+            except ValueError as err:
+                errors.append(str(err))
+        raise UserError(f"cannot read {meta.name} in {path}: {errors[-1]}")
+
+    return jax.tree.map(open_array, tree)
+
+
+def latest_stored_params(run_dir: str | Path, abstract: Any) -> tuple[int, Any]:
+    """The step and the params (StoredArrays) of the newest complete checkpoint of a training run."""
     path = Path(run_dir).absolute() / CHECKPOINTS_DIR
     manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
                                     item_handlers={"params": ocp.StandardCheckpointHandler()})
     step = manager.latest_step()
     if step is None:
         raise UserError(f"no complete training checkpoint in {path}")
-    if abstract is not None:
-        check_shapes(manager.item_metadata(step)["params"], abstract)
-    params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
+    check_shapes(manager.item_metadata(step)["params"], abstract)
     manager.close()
-    return step, params
+    return step, stored_params(path / str(step) / "params")
+
+
+class ReadOnce:
+    """An array read (or copied to host) once, however many of its layers are asked for; let go after `uses`."""
+
+    def __init__(self, array: Any, uses: int = 1) -> None:
+        self.array, self.uses, self.value = array, uses, None
+        self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
+
+    def __getitem__(self, layer: int) -> _Layer:
+        return _Layer(self, layer)
+
+    def read(self, layer: int | None = None) -> np.ndarray:
+        if self.value is None:
+            self.value = np.asarray(self.array)
+        out = self.value if layer is None else self.value[layer]
+        self.uses -= 1
+        if not self.uses:
+            self.value = None
+        return out
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """Layer `index` of a ReadOnce's array, not read yet."""
+
+    source: ReadOnce
+    index: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape[1:]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.source.dtype
+
+
+def lazy_copies(tree: Any, dtype: str = "", unscanned: bool = False) -> Any:
+    """LazyParams that copy a param tree (of StoredArrays, say) in `dtype` ("" keeps theirs) when saved,
+    in the unscanned layout if asked (trainer/layout.py).
+
+    Each array is read whole, once, and let go when written: a checkpoint's chunks are its shards, not
+    its layers, so reading a layer at a time would read the chunk around it again for every layer.
+    """
+    stacked = lambda path: getattr(path[0], "key", None) == "layers"  # noqa: E731
+    readers = jax.tree_util.tree_map_with_path(
+        lambda path, x: ReadOnce(x, x.shape[0] if unscanned and stacked(path) else 1), tree)
+
+    def lazy(x: ReadOnce | _Layer) -> LazyParam:
+        out = np.dtype(dtype) if dtype and np.issubdtype(x.dtype, np.floating) else x.dtype
+        source, layer = (x.source, x.index) if isinstance(x, _Layer) else (x, None)
+        return LazyParam(x.shape, out, partial(_copy_into, source, layer), group=source)
+
+    return jax.tree.map(lazy, layout.unscan(readers) if unscanned else readers)
+
+
+def _copy_into(source: ReadOnce, layer: int | None, out: np.ndarray, part: int) -> None:
+    np.copyto(out, source.read(layer), casting="unsafe")

@@ -30,7 +30,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from configs import ModelConfig, UserError
-from trainer.checkpoint import LazyParam, abstract_params, check_shapes, save_lazy_params
+from trainer.checkpoint import LazyParam, ReadOnce, abstract_params, check_shapes, save_lazy_params
 from trainer.model import layer_is_global, param_count
 from trainer.tokenizer import FILES as TOKENIZER_FILES
 from trainer.tokenizer import SPECIAL_TOKENS
@@ -771,19 +771,21 @@ def export_hf(params: Any, cfg: ModelConfig, tokenizer_dir: str | Path | None, o
 
 
 def _export_entries(params: Any, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
-    """(HF name, HF shape, fetch) per tensor; fetch copies one layer's slice to host when it is written."""
+    """(HF name, HF shape, fetch) per tensor, in the order they are written; one parameter is on host at a time."""
     entries = []
     for spec in _layout(cfg):
         leaf = params
         for key in spec.path:
             leaf = leaf[key]
-        for i, name in enumerate(_hf_names(spec, cfg)):
-            entries.append((name, spec.hf_shape, partial(_fetch, leaf, i if spec.stacked else None, spec.to_hf)))
+        names = _hf_names(spec, cfg)
+        once = ReadOnce(leaf, len(names))
+        for i, name in enumerate(names):
+            entries.append((name, spec.hf_shape, partial(_fetch, once, i if spec.stacked else None, spec.to_hf)))
     return entries
 
 
-def _fetch(leaf: Any, layer: int | None, to_hf: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    return to_hf(np.asarray(leaf if layer is None else leaf[layer]))
+def _fetch(once: ReadOnce, layer: int | None, to_hf: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    return to_hf(once.read(layer))
 
 
 def _hf_config(cfg: ModelConfig, bos: int | None, eos: int | None) -> dict:

@@ -86,7 +86,43 @@ def test_eval_and_training_read_an_unscanned_bfloat16_export(tmp_path: Path) -> 
     export = steps.export(cfg, tmp_path / "train", tmp_path / "data", tmp_path / "export", **quiet)
     assert export["stats"]["unscanned"] and export["stats"]["dtype"] == "bfloat16"
     assert (tmp_path / "export" / "hf" / "model.safetensors.index.json").is_file()
+    # Streamed layer by layer from the checkpoint, both exports hold exactly its weights (in bfloat16),
+    # against Orbax's own restore of the whole checkpoint.
+    import orbax.checkpoint as ocp
+    from safetensors.numpy import load_file
+
+    with ocp.StandardCheckpointer() as ckptr:
+        trained = layout.cast(ckptr.restore(tmp_path / "train" / "checkpoints" / "4" / "params"), "bfloat16")
+    exported = checkpoint.load_params(tmp_path / "export", checkpoint.abstract_params(cfg.model.model_copy(
+        update={"param_dtype": "bfloat16"})))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), exported, trained)
+    weights = {}
+    for shard in (tmp_path / "export" / "hf").glob("*.safetensors"):
+        weights.update(load_file(shard))
+    up = np.asarray(trained["layers"]["mlp"]["up_proj"]["kernel"][1])
+    np.testing.assert_array_equal(weights["model.layers.1.mlp.up_proj.weight"], up.T)
     report = steps.evaluate(cfg, tmp_path / "export", tmp_path / "data", tmp_path / "eval", **quiet)
     assert report["stats"]["val_loss"] > 0
     again = steps.train(cfg, tmp_path / "data", tmp_path / "continued", tmp_path / "export", **quiet)
     assert again["stats"]["steps"] == 4 and again["inputs"][1]["version"] == export["version"]
+
+
+def test_lazy_copies_read_each_array_once_also_unscanned(tmp_path: Path) -> None:
+    reads: list[tuple[int, ...]] = []
+
+    class Counted:
+        def __init__(self, value: np.ndarray) -> None:
+            self.value, self.shape, self.dtype = value, value.shape, value.dtype
+
+        def __array__(self, dtype=None, copy=None) -> np.ndarray:
+            reads.append(self.shape)
+            return self.value
+
+    rng = np.random.default_rng(0)
+    tree = {"layers": {"w": rng.standard_normal((3, 4, 5), np.float32), "b": rng.standard_normal((3, 5), np.float32)},
+            "embed": rng.standard_normal((7, 4), np.float32)}
+    copies = checkpoint.lazy_copies(jax.tree.map(Counted, tree), "bfloat16", unscanned=True)
+    checkpoint.save_lazy_params(tmp_path, copies)
+    assert sorted(reads) == sorted([(3, 4, 5), (3, 5), (7, 4)])  # once per array, not once per layer
+    expected = layout.cast(layout.unscan(tree), "bfloat16")
+    jax.tree.map(np.testing.assert_array_equal, checkpoint.load_params(tmp_path), expected)
