@@ -333,7 +333,7 @@ def restore_train_state(
 
 @dataclass(frozen=True)
 class StoredArray:
-    """An array of a checkpoint on disk: indexing gives a view, still on disk; np.asarray reads it."""
+    """An array of a checkpoint on disk, read when np.asarray asks for it."""
 
     store: Any  # a tensorstore (or a view of one)
 
@@ -348,9 +348,6 @@ class StoredArray:
     @property
     def size(self) -> int:
         return math.prod(self.shape)
-
-    def __getitem__(self, index: Any) -> StoredArray:
-        return StoredArray(self.store[index])
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         value = self.store.read().result()
