@@ -72,8 +72,7 @@ def child(run: str, out: str, how: str, emb: int, layers: int) -> None:
     if how == "streamed":
         _, stored = checkpoint.latest_stored_params(run, checkpoint.abstract_params(cfg))
         copies = checkpoint.lazy_copies(stored, "bfloat16")
-        size = sum(x.nbytes for x in jax.tree.leaves(copies, is_leaf=lambda x: isinstance(x, checkpoint.LazyParam)))
-        checkpoint.save_lazy_params(out, copies, max_bytes=min(size // 8, 1 << 30))
+        checkpoint.save_lazy_params(out, copies)
         hf.export_hf(stored, cfg, None, Path(out) / "hf", dtype="bfloat16", **quiet)
     else:
         with ocp.StandardCheckpointer() as ckptr:

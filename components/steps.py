@@ -94,16 +94,13 @@ def plan_export(cfg: Config, train_dir: str | Path, dataset_dir: str | Path, log
     exp = cfg.export
 
     def work(out: Path) -> dict[str, Any]:
-        import jax
-
         from trainer import checkpoint, hf
 
         # Read from the checkpoint a parameter at a time as it is written: memory stays well below the model's.
         step, stored = checkpoint.latest_stored_params(train_dir, checkpoint.abstract_params(cfg.model))
         dtype = exp.dtype or cfg.model.param_dtype
         copies = checkpoint.lazy_copies(stored, dtype, unscanned=exp.unscanned)
-        size = sum(x.nbytes for x in jax.tree.leaves(copies, is_leaf=lambda x: isinstance(x, checkpoint.LazyParam)))
-        checkpoint.save_lazy_params(out, copies, max_bytes=min(size // 8, 1 << 30))
+        checkpoint.save_lazy_params(out, copies)
         hf_stats = hf.export_hf(stored, cfg.model, Path(dataset_dir) / "tokenizer", out / "hf", log=log,
                                 dtype=dtype, max_shard_bytes=exp.max_shard_bytes)
         log(f"exported step {step}: {out / checkpoint.PARAMS_DIR} ({dtype}, "

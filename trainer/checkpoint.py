@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import fcntl
 import logging
 import math
-import weakref
+import mmap
+import os
+import sys
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,7 +43,8 @@ def save_params(directory: str | Path, params: Any) -> Path:
 @dataclass(frozen=True)
 class LazyParam:
     """A parameter written when it is saved, in `parts` equal slices along `axis`: `fill(out, k)` writes
-    slice k into a contiguous `out`, which is then stored on its own (the array is chunked that way)."""
+    slice k into a contiguous `out`, which is then stored on its own (the array is chunked that way).
+    Fills of different parts may run at once, in different threads."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -59,142 +65,189 @@ class LazyParam:
     def part_nbytes(self) -> int:
         return self.nbytes // self.parts
 
-    def part(self, k: int) -> tuple[slice, ...]:
-        """Where slice k lies in the parameter."""
-        n = self.shape[self.axis] // self.parts
-        return (slice(None),) * self.axis + (slice(k * n, (k + 1) * n),)
+
+def _chunk_file(directory: str, lazy: LazyParam, k: int) -> str:
+    """Where part k of a LazyParam is stored: its zarr v2 chunk key, the chunk grid indices joined by '.'."""
+    index = [k if axis == lazy.axis else 0 for axis in range(len(lazy.shape))] or [0]
+    return os.path.join(directory, ".".join(map(str, index)))
 
 
-def _release_freed_memory() -> None:
-    """Hand memory freed by tensorstore's written copies back to the OS.
+def _write_file(path: str, data: np.ndarray) -> int:
+    """Write a contiguous array's bytes to a new file at `path`; returns the open file, still to be synced.
 
-    glibc keeps freed blocks of this size in its per-thread heaps (after the first free it stops mapping
-    them), and with tensorstore's threads RSS crept to 0.6x the model (benchmarks/RESULTS.md).
+    The bytes up to the last whole block go with O_DIRECT when `data` starts on a page: straight to the
+    disk, skipping the page cache (on this machine buffered writes to new files ran at 0.35-0.4 GB/s,
+    direct ones at 2.1-2.7 GB/s, benchmarks/RESULTS.md). The rest, or all of it where the file system
+    refuses O_DIRECT, is written through the page cache.
     """
+    view = memoryview(data.reshape(-1).view(np.uint8))
+    direct = len(view) - len(view) % _PAGE if data.ctypes.data % _PAGE == 0 and _O_DIRECT else 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except AttributeError:  # not glibc
-        pass
+        if direct:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
+            except OSError:  # not supported here (EINVAL): the page cache it is
+                direct = 0
+            else:
+                _write_all(fd, view[:direct])
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        _write_all(fd, view[direct:])
+        _start_writeback(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-class _Ring:
-    """A ring buffer of parts: a part's bytes are reused once tensorstore has copied them out.
+def _write_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):  # a write may store fewer bytes than asked
+        done += os.write(fd, view[done:])
 
-    Reused, not allocated per part, because first-touching fresh memory costs more than the copy into
-    it (numbers in benchmarks/RESULTS.md).
+
+_PAGE = mmap.PAGESIZE  # O_DIRECT needs the buffer, offset and length aligned to the disk's block; a page is
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # a multiple of it on every Linux file system
+
+
+def _start_writeback(fd: int) -> None:
+    """Have the kernel start writing the file's pages to disk now, without waiting for it (Linux only).
+
+    Not in Python's os module. The fsync that follows later then finds the data mostly written, and
+    writes go on meanwhile: 229 MB of buffered writes in 73 files took 0.09 s this way against 0.60 s
+    with each fsync started as its write ended (median of 8, benchmarks/RESULTS.md).
     """
+    if _sync_file_range is not None:
+        _sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE: the whole file, asynchronously
 
-    def __init__(self, size: int) -> None:
-        self.buffer, self.head = np.empty(size, np.uint8), 0
-        self.copying: collections.deque[tuple[int, int, Any, weakref.ref]] = collections.deque()
 
-    async def take(self, nbytes: int) -> tuple[int, np.ndarray]:
-        """Room for `nbytes` after the last part taken, waiting for the oldest copies until it is free."""
-        start = self.head if self.head + nbytes <= self.buffer.nbytes else 0
-        while any(s < start + nbytes and start < e for s, e, _, _ in self.copying):
-            if not await self._finish(*self.copying.popleft()):
-                await self.drain()  # tensorstore kept a part: leave this buffer to it and go on in a new one
-                self.buffer, start = np.empty(self.buffer.nbytes, np.uint8), 0
-                break
-        self.head = start + nbytes
-        return start, self.buffer[start : start + nbytes]
+def _libc_sync_file_range() -> Any:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except AttributeError:  # not Linux
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return function
 
-    def copied_when(self, start: int, part: np.ndarray, copy: Any) -> None:
-        self.copying.append((start, start + part.nbytes, copy, weakref.ref(part)))
 
-    async def drain(self) -> None:
-        while self.copying:
-            await self._finish(*self.copying.popleft())
+_sync_file_range = _libc_sync_file_range()
 
-    @staticmethod
-    async def _finish(start: int, end: int, copy: Any, part: weakref.ref) -> bool:
-        """Wait for a copy; True once tensorstore has also let go of its source (it may, a moment after)."""
-        await copy
-        for _ in range(1000):
-            if part() is None:
-                return True
-            await asyncio.sleep(0.001)
-        return False
+
+def _sync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_directory(path: str) -> None:
+    """Make the directory's new entries durable (fsync of the files alone does not)."""
+    _sync_and_close(os.open(path, os.O_RDONLY))
 
 
 class _LazyParamHandler(type_handlers.NumpyHandler):
-    """Writes LazyParams part by part: each is filled into a ring buffer and handed to tensorstore,
-    which copies it and writes it out while the next parts are filled.
+    """Writes LazyParams part by part, each part one chunk file of an uncompressed zarr array.
 
-    At most max(max_bytes, the largest part) is handed over and not yet on disk. Stored exactly as Orbax
-    stores a numpy array (type 'np.ndarray', chunked by part), so any restore reads it unchanged.
+    Tensorstore creates each array (its .zarray); the chunks are written here. An uncompressed zarr v2
+    chunk is just the part's bytes, so each part is filled into a slot of a reused ring and written from
+    there, while the next parts are filled (by two threads: `fill` must allow that); fsyncs come last.
+    Tensorstore's own write first copied every part into freshly allocated memory, then through the
+    page cache; writing ourselves made ingest 2x as fast (benchmarks/RESULTS.md).
+
+    Stored exactly as Orbax stores a numpy array (type 'np.ndarray', chunked by part), so any restore
+    reads it unchanged.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self) -> None:
         super().__init__(deepcopy_host_arrays=False)
-        self.max_bytes = max_bytes
 
     async def serialize(self, values: Any, infos: Any, args: Any = None) -> list[ocp_future.Future]:
         largest = max((v.part_nbytes for v in values), default=0)
-        ring = _Ring(2 * largest)  # filling one part while tensorstore copies the last
-        limit = max(self.max_bytes, largest)
 
         async def write_all() -> None:
-            writing: collections.deque[tuple[int, Any]] = collections.deque()  # handed over, not yet on disk
-            held = 0
-            try:
-                # Opened (their metadata written) all at once: one by one, each open waits for the writes before it.
-                stores = await asyncio.gather(*(self._open(lazy, info) for lazy, info in zip(values, infos)))
-                first: dict[Any, int] = {}
-                for i, lazy in enumerate(values):
-                    first.setdefault(i if lazy.group is None else lazy.group, i)
-                order = sorted(range(len(values)), key=lambda i: (first[i if values[i].group is None else values[i].group], i))
-                for lazy, store in ((values[i], stores[i]) for i in order):
-                    for k in range(lazy.parts):
-                        start, raw = await ring.take(lazy.part_nbytes)
-                        part = raw.view(lazy.dtype).reshape(lazy.part_shape)
-                        await asyncio.to_thread(lazy.fill, part, k)
-                        if held + lazy.part_nbytes > limit:  # wait until enough is on disk
-                            while held + lazy.part_nbytes > limit:
-                                nbytes, commit = writing.popleft()
-                                await commit
-                                held -= nbytes
-                            _release_freed_memory()
-                        # Copied by tensorstore: faster than letting it reference the part (measured), and it
-                        # frees the part for the next fill at once.
-                        write = store[lazy.part(k)].write(part)
-                        ring.copied_when(start, part, write.copy)
-                        writing.append((lazy.part_nbytes, write.commit))
-                        held += lazy.part_nbytes
-                        del part, raw
-            finally:  # also after a failure: no write may outlive its source
-                await ring.drain()
-                for _, commit in writing:
-                    await commit
+            # Opened (their metadata written) all at once: one by one, each open waits for the writes before it.
+            directories = await asyncio.gather(*(self._open(lazy, info) for lazy, info in zip(values, infos)))
+            first: dict[Any, int] = {}
+            for i, lazy in enumerate(values):
+                first.setdefault(i if lazy.group is None else lazy.group, i)
+            order = sorted(range(len(values)), key=lambda i: (first[i if values[i].group is None else values[i].group], i))
+            parts = [(values[i], directories[i], k) for i in order for k in range(values[i].parts)]
+            loop = asyncio.get_running_loop()
+            slot = -(-largest // _PAGE) * _PAGE  # each slot page-aligned, for O_DIRECT
+            ring = np.frombuffer(mmap.mmap(-1, _RING_SLOTS * slot), np.uint8)
+            writes: list[asyncio.Future | None] = [None] * _RING_SLOTS  # the write still reading each slot
+            unsynced: collections.deque[asyncio.Future] = collections.deque()  # writes of files not yet synced
+            with (ThreadPoolExecutor(_FILL_THREADS, thread_name_prefix="maxpipe-fill") as filler,
+                  ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="maxpipe-write") as writer,
+                  ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="maxpipe-fsync") as syncer):
+
+                async def fill_and_write(lazy: LazyParam, k: int, part: np.ndarray, path: str) -> int:
+                    await loop.run_in_executor(filler, lazy.fill, part, k)
+                    return await loop.run_in_executor(writer, _write_file, path, part)
+
+                async def sync(written: asyncio.Future) -> None:
+                    await loop.run_in_executor(syncer, _sync_and_close, await written)
+
+                try:
+                    for n, (lazy, directory, k) in enumerate(parts):
+                        i = n % _RING_SLOTS
+                        if writes[i] is not None:
+                            await writes[i]
+                        part = ring[i * slot :][: lazy.part_nbytes].view(lazy.dtype).reshape(lazy.part_shape)
+                        writes[i] = asyncio.ensure_future(fill_and_write(lazy, k, part, _chunk_file(directory, lazy, k)))
+                        unsynced.append(writes[i])
+                        if len(unsynced) > _MAX_OPEN_FILES:
+                            await sync(unsynced.popleft())
+                finally:  # every write finished and every file synced and closed, also after a failure
+                    outcomes = await asyncio.gather(*map(sync, unsynced), return_exceptions=True)
+                for outcome in outcomes:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                await asyncio.gather(*(loop.run_in_executor(syncer, _sync_directory, d) for d in set(directories)))
 
         return [ocp_future.CommitFutureAwaitingContractedSignals(write_all(), name="lazy_params")]
 
-    async def _open(self, lazy: LazyParam, info: Any) -> Any:
-        """The tensorstore NumpyHandler would write to (its spec), in chunks of one part each."""
+    async def _open(self, lazy: LazyParam, info: Any) -> str:
+        """Create the array NumpyHandler would write, in chunks of one part each; returns its directory."""
         await info.await_path_creation()
-        ocdbt = info.is_ocdbt_checkpoint
         spec = type_handlers.get_json_tspec_write(
-            info, use_ocdbt=ocdbt, global_shape=lazy.shape, local_shape=lazy.shape, dtype=lazy.dtype,
-            process_index=jax.process_index() if ocdbt else None, metadata_key=self._metadata_key,
+            info, use_ocdbt=False, global_shape=lazy.shape, local_shape=lazy.shape, dtype=lazy.dtype,
+            metadata_key=self._metadata_key,
         )
         # Orbax's chunking heuristic (SaveArgs.chunk_byte_size) may split another axis than the parts' one.
         spec["metadata"]["chunks"] = list(lazy.part_shape)
-        return await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
+        store = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
+        written = store.spec().to_json()
+        meta, kvstore = written["metadata"], written["kvstore"]
+        raw = (written["driver"] == "zarr" and kvstore["driver"] == "file" and meta["compressor"] is None
+               and not meta.get("filters") and meta.get("order", "C") == "C"
+               and meta.get("dimension_separator", ".") == "." and sys.byteorder == "little")
+        if not raw:  # the chunk files written here would not be what tensorstore reads
+            raise RuntimeError(f"lazy params need an uncompressed zarr v2 array in local files, got {written}")
+        return kvstore["path"]
 
 
-def save_lazy_params(directory: str | Path, params: Any, max_bytes: int = 0) -> Path:
+_FILL_THREADS = 2  # parts filled at once: on 2 cores, 0.37 s against 0.70 s for 845 MB of transposes
+_WRITE_THREADS = 2  # parts written at once: two keep the disk busier (6 % faster than one)
+_RING_SLOTS = _FILL_THREADS + _WRITE_THREADS  # parts in memory: those being filled and those being written
+_SYNC_THREADS = 2  # fsyncs in flight: the disk, not the CPU, is what they wait for
+_MAX_OPEN_FILES = 64  # parts written and not yet synced
+
+
+def save_lazy_params(directory: str | Path, params: Any) -> Path:
     """Write a tree of LazyParams as the param-only checkpoint at `directory/params`.
 
-    Holds two parts being filled and at most max(max_bytes, the largest part) handed to tensorstore and
-    not yet on disk. Uncompressed: zstd gains little on weights and cost a third of the write time.
+    Holds four parts in memory: two being filled, two being written. Uncompressed (each chunk file is a
+    part's bytes): zstd gains little on weights and cost a third of the write time.
     """
     path = Path(directory).absolute() / PARAMS_DIR
     # jax.Array's handler too, though no leaf is one: Orbax warns when a registry lacks it.
     registry = type_handlers.create_type_handler_registry(
-        (LazyParam, _LazyParamHandler(max_bytes)), (jax.Array, type_handlers.ArrayHandler())
+        (LazyParam, _LazyParamHandler()), (jax.Array, type_handlers.ArrayHandler())
     )
-    # One file per part rather than OCDBT's shared files: with OCDBT the same ingest took 1.4-2x as long
-    # (its commits wait on each other); the checkpoint reads the same either way.
+    # One file per part rather than OCDBT's shared files, which only tensorstore can write; the
+    # checkpoint reads the same either way.
     handler = ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False, use_zarr3=False,
                                           type_handler_registry=registry)
     # Orbax tries an OCDBT merge after every save and warns when there was nothing to merge.
@@ -391,22 +444,24 @@ def latest_stored_params(run_dir: str | Path, abstract: Any) -> tuple[int, Any]:
 
 
 class ReadOnce:
-    """An array read (or copied to host) once, however many of its layers are asked for; let go after `uses`."""
+    """An array read (or copied to host) once, however often it or its layers are asked for; let go after `uses` reads."""
 
     def __init__(self, array: Any, uses: int = 1) -> None:
         self.array, self.uses, self.value = array, uses, None
         self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
+        self.lock = threading.Lock()  # layers are read by parallel fills
 
     def __getitem__(self, layer: int) -> _Layer:
         return _Layer(self, layer)
 
     def read(self, layer: int | None = None) -> np.ndarray:
-        if self.value is None:
-            self.value = np.asarray(self.array)
-        out = self.value if layer is None else self.value[layer]
-        self.uses -= 1
-        if not self.uses:
-            self.value = None
+        with self.lock:
+            if self.value is None:
+                self.value = np.asarray(self.array)
+            out = self.value if layer is None else self.value[layer]
+            self.uses -= 1
+            if not self.uses:
+                self.value = None
         return out
 
 
@@ -426,24 +481,34 @@ class _Layer:
         return self.source.dtype
 
 
-def lazy_copies(tree: Any, dtype: str = "", unscanned: bool = False) -> Any:
+def lazy_copies(tree: Any, dtype: str = "", unscanned: bool = False, part_bytes: int = 16 << 20) -> Any:
     """LazyParams that copy a param tree (of StoredArrays, say) in `dtype` ("" keeps theirs) when saved,
-    in the unscanned layout if asked (trainer/layout.py).
+    in the unscanned layout if asked (trainer/layout.py), in parts of whole rows of at most `part_bytes`.
 
-    Each array is read whole, once, and let go when written: a checkpoint's chunks are its shards, not
-    its layers, so reading a layer at a time would read the chunk around it again for every layer.
+    Each array is read whole, once, and let go when its last part is written: a checkpoint's chunks are
+    its shards, not its layers, so reading a layer at a time would read the chunk around it again for
+    every layer.
     """
-    stacked = lambda path: getattr(path[0], "key", None) == "layers"  # noqa: E731
-    readers = jax.tree_util.tree_map_with_path(
-        lambda path, x: ReadOnce(x, x.shape[0] if unscanned and stacked(path) else 1), tree)
+    readers = jax.tree.map(lambda x: ReadOnce(x, uses=0), tree)  # uses are counted as the parts are made
 
     def lazy(x: ReadOnce | _Layer) -> LazyParam:
         out = np.dtype(dtype) if dtype and np.issubdtype(x.dtype, np.floating) else x.dtype
         source, layer = (x.source, x.index) if isinstance(x, _Layer) else (x, None)
-        return LazyParam(x.shape, out, partial(_copy_into, source, layer), group=source)
+        rows = x.shape[0] if x.shape else 1
+        parts = split(rows, math.prod(x.shape) * out.itemsize, part_bytes)
+        source.uses += parts
+        return LazyParam(x.shape, out, partial(_copy_into, source, layer, rows // parts), parts=parts, group=source)
 
     return jax.tree.map(lazy, layout.unscan(readers) if unscanned else readers)
 
 
-def _copy_into(source: ReadOnce, layer: int | None, out: np.ndarray, part: int) -> None:
-    np.copyto(out, source.read(layer), casting="unsafe")
+def split(rows: int, nbytes: int, part_bytes: int, max_parts: int = 256) -> int:
+    """Into how many equal parts of whole rows to cut an array of `rows` rows and `nbytes` bytes: the
+    fewest of at most `part_bytes` each, else as many as can be up to `max_parts` (each a chunk file)."""
+    counts = [p for p in range(1, min(rows, max_parts) + 1) if rows % p == 0]
+    return next((p for p in counts if nbytes // p <= part_bytes), counts[-1])
+
+
+def _copy_into(source: ReadOnce, layer: int | None, rows: int, out: np.ndarray, part: int) -> None:
+    value = source.read(layer)
+    np.copyto(out, value[part * rows : (part + 1) * rows] if value.ndim else value, casting="unsafe")

@@ -5,8 +5,9 @@ HF stores torch Linear weights as [out, in]; ours are [in, out] with the head ax
 Safetensors are read and written here one tensor at a time: the `safetensors` package's numpy API
 cannot return bfloat16 (and its torch API needs torch, a test-only dependency), nor read part of a
 gs:// file. Each tensor is read through fsspec (the source may be any URL) straight into its slot of
-the stacked output, or through a small block buffer when it is transposed or cast; ingest writes each
-parameter to Orbax as soon as it is converted, so it holds about one parameter at a time.
+the stacked output, or through a small block buffer when it is transposed or cast; ingest converts a
+layer (or a block of vocabulary rows) at a time, two at once, and writes each as soon as it is
+converted, so it holds four such parts at a time.
 PyTorch pickles are read only with allow_pickle=True, and only from a local directory.
 """
 
@@ -18,6 +19,7 @@ import mmap
 import shutil
 import struct
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,7 +32,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from configs import ModelConfig, UserError
-from trainer.checkpoint import LazyParam, ReadOnce, abstract_params, check_shapes, save_lazy_params
+from trainer.checkpoint import LazyParam, ReadOnce, abstract_params, check_shapes, save_lazy_params, split
 from trainer.model import layer_is_global, param_count
 from trainer.tokenizer import FILES as TOKENIZER_FILES
 from trainer.tokenizer import SPECIAL_TOKENS
@@ -407,6 +409,7 @@ class _SafetensorsFile:
             raise UserError(f"{self.shown}: not a safetensors file") from None
         self.data_start = 8 + n
         self.size = src.fs.size(src.path(name))
+        self.lock = threading.Lock()  # one seek and read at a time: parts are converted in parallel
         self.tensors: dict[str, dict] = {k: v for k, v in header.items() if k != "__metadata__"}
 
     def dtype(self, name: str) -> np.dtype:
@@ -438,14 +441,16 @@ class _SafetensorsFile:
         """Fill `out` (contiguous, the tensor's dtype) with the tensor's bytes from row `start` on."""
         if not out.flags.c_contiguous:
             raise ValueError("read_into needs a contiguous output")
-        self.file.seek(self._offset(name, start))
+        offset = self._offset(name, start)
         view = memoryview(_as_bits(out).reshape(-1)).cast("B")
         got = 0
-        while got < len(view):  # a raw or remote read may return fewer bytes than asked
-            n = self.file.readinto(view[got:])
-            if not n:
-                raise UserError(f"{self.shown}: file is truncated or corrupt (tensor {name})")
-            got += n
+        with self.lock:
+            self.file.seek(offset)
+            while got < len(view):  # a raw or remote read may return fewer bytes than asked
+                n = self.file.readinto(view[got:])
+                if not n:
+                    raise UserError(f"{self.shown}: file is truncated or corrupt (tensor {name})")
+                got += n
 
 
 class _PickleFile:
@@ -591,11 +596,10 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
                     f"HF checkpoint does not fit the model config: parameter {name} is {shape} "
                     f"in the checkpoint but {spec.hf_shape} in the model"
                 )
-    scratch = np.empty(0, np.uint8)  # one fill runs at a time (the lazy save makes sure), so one buffer
+    local = threading.local()  # a read buffer per thread: parts are converted in parallel
 
     def copy(spec: _Tensor, name: str, out: np.ndarray, first: int = 0, count: int | None = None) -> None:
         """out[...] = to_ours(rows first.. first+count of the tensor, default all), reading them once."""
-        nonlocal scratch
         file, transpose = files[name], _is_transpose(spec)
         src_dtype = file.dtype(name)
         count = (spec.hf_shape[0] if spec.hf_shape else 1) - first if count is None else count
@@ -605,8 +609,9 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
             file.read_into(name, rows_out, first)  # the same bytes in the same order: straight into place
             return
         rows = max(1, min(count, _BLOCK_BYTES // max(1, width * src_dtype.itemsize)))
-        if scratch.nbytes < rows * width * src_dtype.itemsize:
-            scratch = np.empty(rows * width * src_dtype.itemsize, np.uint8)
+        scratch = getattr(local, "scratch", None)
+        if scratch is None or scratch.nbytes < rows * width * src_dtype.itemsize:
+            scratch = local.scratch = np.empty(rows * width * src_dtype.itemsize, np.uint8)
         for start in range(0, count, rows):
             n = min(rows, count - start)
             buffer = scratch[: n * width * src_dtype.itemsize].view(src_dtype).reshape(n, width)
@@ -649,13 +654,16 @@ class _Progress:
 
     def __init__(self, total: int, log: Log) -> None:
         self.total, self.log, self.done, self.start = total, log, 0, time.perf_counter()
+        self.lock = threading.Lock()
 
     def add(self, nbytes: int) -> None:
-        tenth = self.done * 10 // max(1, self.total)
-        self.done += nbytes
-        if self.done * 10 // max(1, self.total) > tenth and self.done < self.total:
-            mib = self.done / 2**20
-            self.log(f"ingest: {self.done / self.total:.0%} converted ({mib:,.1f} MiB, {mib / self.seconds():,.0f} MiB/s)")
+        with self.lock:
+            tenth = self.done * 10 // max(1, self.total)
+            self.done += nbytes
+            done = self.done
+        if done * 10 // max(1, self.total) > tenth and done < self.total:
+            mib = done / 2**20
+            self.log(f"ingest: {done / self.total:.0%} converted ({mib:,.1f} MiB, {mib / self.seconds():,.0f} MiB/s)")
 
     def seconds(self) -> float:
         return time.perf_counter() - self.start
@@ -668,9 +676,7 @@ def _lazy_param(spec: _Tensor, cfg: ModelConfig, fill: Callable[..., None], part
     if spec.stacked:  # layer by layer, unless the layers are tiny (norm scales)
         axis, parts = 0, (cfg.num_layers if nbytes // cfg.num_layers >= _SPLIT_BYTES else 1)
     else:  # the embedding and output head: blocks of vocabulary rows (our columns when transposed)
-        rows = spec.hf_shape[0] if spec.hf_shape else 1
-        divisors = [p for p in range(1, 65) if rows % p == 0]
-        parts = next((p for p in divisors if nbytes // p <= part_bytes), divisors[-1])
+        parts = split(spec.hf_shape[0] if spec.hf_shape else 1, nbytes, part_bytes)
         axis = len(shape) - 1 if _is_transpose(spec) else 0
     return LazyParam(shape, dtype, partial(fill, spec, parts=parts), axis, parts)
 
@@ -694,12 +700,11 @@ def ingest(hf_dir: str | Path, out_dir: str | Path, cfg: ModelConfig, log: Log =
         progress.add(out.nbytes)
 
     tree: dict = {}
-    # The next part is converted while the last ones are written; at most an eighth of the model (and 1 GiB)
-    # is handed to tensorstore and not yet on disk.
-    max_bytes = min(size // 8, 1 << 30)
+    # Parts are converted while the last ones are written: memory holds four, so the embedding and output
+    # head go in blocks of at most a 32nd of the model (and 256 MiB), about a layer's weight.
     for spec in specs:
-        _put(tree, spec.path, _lazy_param(spec, cfg, fill, part_bytes=max_bytes // 4))
-    path = save_lazy_params(out_dir, tree, max_bytes=max_bytes)
+        _put(tree, spec.path, _lazy_param(spec, cfg, fill, part_bytes=min(size // 32, 1 << 28)))
+    path = save_lazy_params(out_dir, tree)
     log(f"ingest: {n:,} parameters written to {path} in {progress.seconds():.1f}s")
     return {
         "source": str(hf_dir),

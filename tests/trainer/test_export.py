@@ -107,7 +107,8 @@ def test_eval_and_training_read_an_unscanned_bfloat16_export(tmp_path: Path) -> 
     assert again["stats"]["steps"] == 4 and again["inputs"][1]["version"] == export["version"]
 
 
-def test_lazy_copies_read_each_array_once_also_unscanned(tmp_path: Path) -> None:
+@pytest.mark.parametrize("part_bytes", [16 << 20, 24])  # whole arrays; parts of a few rows
+def test_lazy_copies_read_each_array_once_also_unscanned(tmp_path: Path, part_bytes: int) -> None:
     reads: list[tuple[int, ...]] = []
 
     class Counted:
@@ -121,8 +122,10 @@ def test_lazy_copies_read_each_array_once_also_unscanned(tmp_path: Path) -> None
     rng = np.random.default_rng(0)
     tree = {"layers": {"w": rng.standard_normal((3, 4, 5), np.float32), "b": rng.standard_normal((3, 5), np.float32)},
             "embed": rng.standard_normal((7, 4), np.float32)}
-    copies = checkpoint.lazy_copies(jax.tree.map(Counted, tree), "bfloat16", unscanned=True)
+    copies = checkpoint.lazy_copies(jax.tree.map(Counted, tree), "bfloat16", unscanned=True, part_bytes=part_bytes)
+    parts = {p.parts for p in jax.tree.leaves(copies, is_leaf=lambda x: isinstance(x, checkpoint.LazyParam))}
+    assert parts == ({1} if part_bytes > 1000 else {1, 2, 7})  # a layer's [4, 5] in 2, the embedding by row
     checkpoint.save_lazy_params(tmp_path, copies)
-    assert sorted(reads) == sorted([(3, 4, 5), (3, 5), (7, 4)])  # once per array, not once per layer
+    assert sorted(reads) == sorted([(3, 4, 5), (3, 5), (7, 4)])  # once per array, not once per layer or part
     expected = layout.cast(layout.unscan(tree), "bfloat16")
     jax.tree.map(np.testing.assert_array_equal, checkpoint.load_params(tmp_path), expected)
