@@ -96,7 +96,7 @@ def plan_export(cfg: Config, train_dir: str | Path, dataset_dir: str | Path, log
     def work(out: Path) -> dict[str, Any]:
         from trainer import checkpoint, hf
 
-        # Read from the checkpoint a parameter at a time as it is written: memory stays well below the model's.
+        # Each parameter read from the checkpoint once, as it is written: memory stays well below the model's.
         step, stored = checkpoint.latest_stored_params(train_dir, checkpoint.abstract_params(cfg.model))
         dtype = exp.dtype or cfg.model.param_dtype
         copies = checkpoint.lazy_copies(stored, dtype, unscanned=exp.unscanned)

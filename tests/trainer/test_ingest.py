@@ -7,6 +7,8 @@ import fcntl
 import json
 import mmap
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import flax.linen as nn
@@ -143,24 +145,39 @@ def test_truncated_shard_fails_the_ingest(sharded_dir, tmp_path):
     assert not (tmp_path / "out" / "params").exists()
 
 
-@pytest.mark.parametrize("o_direct", ["allowed", "refused"])
+@pytest.mark.parametrize("o_direct", ["allowed", "flag refused", "write refused"])
 def test_lazy_save_writes_parts_through_a_small_ring_and_never_overwrites_one_in_flight(tmp_path, monkeypatch, o_direct):
     spans: list[tuple[int, int]] = []
-    if o_direct == "refused":  # as a file system without O_DIRECT does: everything goes through the page cache
-        real = fcntl.fcntl
+    if o_direct == "flag refused":  # as a file system without O_DIRECT: everything goes through the page cache
+        real_fcntl = fcntl.fcntl
 
         def setfl(fd: int, cmd: int, arg: int = 0) -> int:
             if cmd == fcntl.F_SETFL and arg & checkpoint._O_DIRECT:
                 raise OSError(errno.EINVAL, "Invalid argument")
-            return real(fd, cmd, arg)
+            return real_fcntl(fd, cmd, arg)
 
         monkeypatch.setattr(checkpoint.fcntl, "fcntl", setfl)
+    real_write_all, rng, lock = checkpoint._write_all, np.random.default_rng(0), threading.Lock()
+
+    def pause() -> None:  # parts finish filling and writing in shuffled order
+        with lock:
+            seconds = rng.random() * 0.003
+        time.sleep(seconds)
+
+    def write_all(fd: int, view: memoryview) -> None:
+        pause()
+        if o_direct == "write refused" and fcntl.fcntl(fd, fcntl.F_GETFL) & checkpoint._O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")  # as a disk whose blocks are larger than a page
+        real_write_all(fd, view)
+
+    monkeypatch.setattr(checkpoint, "_write_all", write_all)
 
     def fill_with(k: int):
         def fill(out: np.ndarray, part: int) -> None:
             assert out.flags.c_contiguous
             spans.append((out.ctypes.data, out.ctypes.data + out.nbytes))
             out[...] = 100 * k + part
+            pause()
         return fill
 
     f32 = np.dtype("float32")
@@ -181,6 +198,13 @@ def test_lazy_save_writes_parts_through_a_small_ring_and_never_overwrites_one_in
     # Stored one chunk per part, so that each part is written on its own.
     chunks = {name: json.loads((tmp_path / "params" / name / ".zarray").read_text())["chunks"] for name in ("layers", "head")}
     assert chunks == {"layers": [1, 300], "head": [50, 10]}
+
+
+def test_a_lazy_param_is_cut_into_whole_chunks():
+    LazyParam((4, 6), np.dtype("float32"), lambda out, k: None, axis=1, parts=3)
+    for axis, parts in ((0, 3), (2, 1), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match="cannot be cut"):
+            LazyParam((4, 6), np.dtype("float32"), lambda out, k: None, axis=axis, parts=parts)
 
 
 def test_a_failed_fill_publishes_nothing(tmp_path):
