@@ -177,10 +177,11 @@ class _LazyParamHandler(type_handlers.NumpyHandler):
         async def write_all() -> None:
             # Opened (their metadata written) all at once: one by one, each open waits for the writes before it.
             directories = await asyncio.gather(*(self._open(lazy, info) for lazy, info in zip(values, infos)))
+            group = lambda i: i if values[i].group is None else values[i].group  # noqa: E731
             first: dict[Any, int] = {}
-            for i, lazy in enumerate(values):
-                first.setdefault(i if lazy.group is None else lazy.group, i)
-            order = sorted(range(len(values)), key=lambda i: (first[i if values[i].group is None else values[i].group], i))
+            for i in range(len(values)):
+                first.setdefault(group(i), i)
+            order = sorted(range(len(values)), key=lambda i: (first[group(i)], i))  # a group's params together
             parts = [(values[i], directories[i], k) for i in order for k in range(values[i].parts)]
             loop = asyncio.get_running_loop()
             slot = -(-largest // _PAGE) * _PAGE  # each slot page-aligned, for O_DIRECT
