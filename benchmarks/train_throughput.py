@@ -1,15 +1,21 @@
-"""Train-step throughput of a fixed Llama-style model; anchor: this machine's float32 matmul peak, measured in the same run.
+"""Train-step throughput and MFU of Llama-shaped models; anchors: the device's peak, and a matmul measured in the same run.
 
-    python benchmarks/train_throughput.py [--steps N] [--variants none:float32,minimal:float32,...]
+    python benchmarks/train_throughput.py [--shape cpu60m|1b|8b4] [--seq S] [--batch B] [--steps N]
+        [--variants remat:dtype[:attention],...]
 
-Model: emb 512, 8 layers, 8 heads (8 kv heads) of 64, SwiGLU mlp 1536, vocab 32000, seq 512, batch 8,
-float32 master weights and AdamW. Each variant (remat policy : compute dtype) is compiled, run once to
-warm up, then timed over N steps of synthetic batches on one device (all cores). MFU counts FLOPs as
-MaxText does (trainer/metrics.py: matmuls only, recomputation not counted). The machine is shared, so
-other work steals cores at random. Two anchors, both measured around each variant: wall-clock MFU
-(fastest step against the best of the matmul peaks measured just before and after) and CPU-time MFU
-(FLOPs per CPU-second of this process, step against matmul), which contention disturbs far less.
-Record the output in benchmarks/RESULTS.md; compare ratios taken in one run.
+Shapes: `cpu60m` (default, sized for a 2-core CPU): emb 512, 8 layers, 8 heads (8 kv heads) of 64, SwiGLU
+mlp 1536, vocab 32000, seq 512, batch 8. `1b`: Llama 3.2 1B (emb 2048, 16 layers, 32 heads, 8 kv heads of 64,
+mlp 8192, vocab 128256, tied embeddings), seq 4096, batch 4 per device. `8b4`: Llama 3 8B's layer (emb 4096,
+32 heads, 8 kv heads of 128, mlp 14336, vocab 128256) with 4 layers, seq 4096, batch 2 per device.
+Float32 master weights and AdamW; `dtype` is the compute dtype; `attention` is model.attention (auto when
+left out; the kernel it resolves to is printed). Each variant is compiled, run once to warm up, then timed
+over N steps of synthetic batches on one device. FLOPs are counted as MaxText does (trainer/metrics.py:
+matmuls only, recomputation not counted).
+
+Anchors: on a known accelerator, its dense bf16 peak from trainer/accelerators.py (MFU as MaxText reports
+it) and a bf16 8192^2 matmul measured just before the variant; on CPU, float32 2048^2 matmuls measured around
+each variant, both wall-clock (fastest step against the best matmul) and per CPU-second of this process,
+which other work on a shared machine disturbs far less. Record the output in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -19,74 +25,118 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import flax.linen as nn
 
 from configs import load_config
+from trainer.accelerators import chip_of
 from trainer.metrics import measure_matmul_flops, train_flops_per_step
 from trainer.model import param_count
 from trainer.optimizer import make_optimizer
 from trainer.sharding import RULES, batch_sharding, make_mesh
 from trainer.train import init_opt_state, init_params, make_model, make_train_step, opt_state_layout, param_layout
 
-SEQ, BATCH = 512, 8
-MODEL = ["model.emb_dim=512", "model.num_layers=8", "model.num_heads=8", "model.num_kv_heads=8",
-         "model.head_dim=64", "model.mlp_dim=1536", "model.vocab_size=32000", "model.max_seq_len=512"]
+SHAPES = {  # model overrides, seq, batch
+    "cpu60m": (["model.emb_dim=512", "model.num_layers=8", "model.num_heads=8", "model.num_kv_heads=8",
+                "model.head_dim=64", "model.mlp_dim=1536", "model.vocab_size=32000"], 512, 8),
+    "1b": (["model.emb_dim=2048", "model.num_layers=16", "model.num_heads=32", "model.num_kv_heads=8",
+            "model.head_dim=64", "model.mlp_dim=8192", "model.vocab_size=128256", "model.tie_embeddings=true",
+            "model.rope_theta=500000.0"], 4096, 4),
+    "8b4": (["model.emb_dim=4096", "model.num_layers=4", "model.num_heads=32", "model.num_kv_heads=8",
+             "model.head_dim=128", "model.mlp_dim=14336", "model.vocab_size=128256", "model.rope_theta=500000.0"],
+            4096, 2),
+}
 
 
-def run_variant(remat: str, dtype: str, steps: int) -> dict[str, float]:
-    """Fastest and median step time, tokens/s and MFU of one remat/dtype variant."""
-    cfg = load_config("demo", MODEL + [f"model.dtype={dtype}", f"train.remat={remat}", f"train.batch_size={BATCH}",
-                                       "train.mesh={data: 1}"])
-    mesh = make_mesh({"data": 1}, jax.devices()[:1])
-    model, tx = make_model(cfg.model, cfg.train), make_optimizer(cfg.train)
-    params = init_params(model, SEQ, 0, mesh)
+def matmul_anchor(device: jax.Device, clock=time.perf_counter) -> float:
+    """FLOP/s of the matmul this device is held to: bf16 8192^2 on an accelerator, float32 2048^2 on CPU."""
+    if device.platform == "cpu":
+        return measure_matmul_flops(2048, clock=clock)
+    a = jnp.ones((8192, 8192), jnp.bfloat16)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(10):
+        out = matmul(a)
+    out.block_until_ready()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - start)
+
+
+def run_variant(shape: str, seq: int, batch: int, remat: str, dtype: str, attention: str, steps: int) -> dict:
+    """Fastest and median step time, tokens/s, TFLOP/s and MFU of one variant."""
+    overrides, _, _ = SHAPES[shape]
+    cfg = load_config("demo", overrides + [
+        f"model.max_seq_len={seq}", f"model.dtype={dtype}", f"model.attention={attention}", f"train.remat={remat}",
+        f"train.batch_size={batch}", "train.mesh={data: 1}",
+    ])
+    device = jax.devices()[0]
+    mesh = make_mesh({"data": 1}, [device])
+    chosen = []
+    model, tx = make_model(cfg.model, cfg.train, mesh, seq, log=chosen.append), make_optimizer(cfg.train)
+    params = init_params(model, seq, 0, mesh)
     opt_state = init_opt_state(tx, params, mesh)
-    step = make_train_step(model, tx, 1, (param_layout(model, SEQ, mesh), opt_state_layout(tx, params, mesh)))
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.model.vocab_size, (BATCH, SEQ + 1), dtype=np.int32)
-    batch = jax.device_put(
-        {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((BATCH, SEQ), np.float32)},
+    step = make_train_step(model, tx, 1, (param_layout(model, seq, mesh), opt_state_layout(tx, params, mesh)))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (batch, seq + 1), dtype=np.int32)
+    data = jax.device_put(
+        {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((batch, seq), np.float32)},
         batch_sharding(mesh),
     )
+    cpu = device.platform == "cpu"
+    anchor, cpu_anchor = matmul_anchor(device), measure_matmul_flops(2048, clock=time.process_time) if cpu else 0.0
     times, cpu_times = [], []
-    peak, cpu_peak = measure_matmul_flops(2048), measure_matmul_flops(2048, clock=time.process_time)
     with mesh, nn.logical_axis_rules(RULES):
         start = time.perf_counter()
-        params, opt_state, out = step(params, opt_state, batch)
+        params, opt_state, out = step(params, opt_state, data)
         jax.block_until_ready(out)
         compile_and_first = time.perf_counter() - start
         for _ in range(steps):
             start, cpu_start = time.perf_counter(), time.process_time()
-            params, opt_state, out = step(params, opt_state, batch)
+            params, opt_state, out = step(params, opt_state, data)
             jax.block_until_ready(out)
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
-    peak = max(peak, measure_matmul_flops(2048))
-    cpu_peak = max(cpu_peak, measure_matmul_flops(2048, clock=time.process_time))
-    seconds, cpu_seconds = min(times), min(cpu_times)
-    flops = train_flops_per_step(cfg.model, BATCH, SEQ)
+    if cpu:
+        anchor = max(anchor, matmul_anchor(device))
+        cpu_anchor = max(cpu_anchor, measure_matmul_flops(2048, clock=time.process_time))
+    seconds, flops, chip = min(times), train_flops_per_step(cfg.model, batch, seq), chip_of(device)
     return {
-        "parameters": param_count(params), "first_step_s": compile_and_first, "step_s": seconds,
-        "median_step_s": statistics.median(times), "peak_gflops": peak / 1e9,
-        "tokens_per_s": BATCH * SEQ / seconds, "gflops": flops / seconds / 1e9, "mfu": flops / seconds / peak,
-        "cpu_step_s": cpu_seconds, "cpu_mfu": flops / cpu_seconds / cpu_peak, "loss": float(out["loss"]),
+        "attention": chosen[0].removeprefix("attention: "), "parameters": param_count(params),
+        "first_step_s": compile_and_first, "step_s": seconds, "median_step_s": statistics.median(times),
+        "tokens_per_s": batch * seq / seconds, "tflops": flops / seconds / 1e12, "anchor_tflops": anchor / 1e12,
+        "anchor_mfu": flops / seconds / anchor, "mfu": flops / seconds / chip.peak_flops if chip else None,
+        "cpu_mfu": flops / min(cpu_times) / cpu_anchor if cpu else None, "loss": float(out["loss"]),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu60m")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the shape's)")
+    parser.add_argument("--batch", type=int, help="sequences per step (default: the shape's)")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--variants", default="none:float32,minimal:float32,full:float32,none:bfloat16")
+    parser.add_argument("--variants", default="none:float32,minimal:float32,full:float32,none:bfloat16",
+                        help="remat:dtype[:attention], comma-separated")
     args = parser.parse_args()
-    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; anchor: float32 2048^2 matmul (median of 8)")
+    _, seq, batch = SHAPES[args.shape]
+    seq, batch = args.seq or seq, args.batch or batch
+    device = jax.devices()[0]
+    chip = chip_of(device)
+    peak = f"{chip.name} dense bf16 peak {chip.peak_flops / 1e12:.0f} TFLOP/s" if chip else "no spec peak (CPU)"
+    print(f"device: {device.device_kind} (jax {jax.__version__}); shape {args.shape}, seq {seq}, batch {batch}; "
+          f"anchors: {peak}, {'float32 2048^2' if device.platform == 'cpu' else 'bf16 8192^2'} matmul", flush=True)
     for variant in args.variants.split(","):
-        remat, dtype = variant.split(":")
-        r = run_variant(remat, dtype, args.steps)
-        print(f"remat={remat:<8} dtype={dtype:<9} params {r['parameters'] / 1e6:.1f} M  first step {r['first_step_s']:6.1f} s  "
-              f"step {r['step_s']:6.2f} s (median {r['median_step_s']:6.2f})  {r['tokens_per_s']:6,.0f} tok/s  "
-              f"{r['gflops']:6.1f} GFLOP/s  peak {r['peak_gflops']:6.1f}  MFU {r['mfu']:6.1%}  "
-              f"CPU {r['cpu_step_s']:6.2f} s/step, CPU-time MFU {r['cpu_mfu']:6.1%}  loss {r['loss']:.4f}", flush=True)
+        remat, dtype, *attention = variant.split(":")
+        r = run_variant(args.shape, seq, batch, remat, dtype, attention[0] if attention else "auto", args.steps)
+        line = (f"remat={remat:<7} dtype={dtype:<8} attention={r['attention']:<6} params {r['parameters'] / 1e6:7.1f} M  "
+                f"first step {r['first_step_s']:6.1f} s  step {r['step_s']:7.3f} s (median {r['median_step_s']:7.3f})  "
+                f"{r['tokens_per_s']:9,.0f} tok/s  {r['tflops']:7.3f} TFLOP/s  "
+                f"{r['anchor_mfu']:6.1%} of the matmul's {r['anchor_tflops']:.3f}")
+        if r["mfu"] is not None:
+            line += f"  MFU {r['mfu']:6.1%}"
+        if r["cpu_mfu"] is not None:
+            line += f"  CPU-time MFU {r['cpu_mfu']:6.1%}"
+        print(line + f"  loss {r['loss']:.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ class ModelConfig(_Section):
     rope_low_freq_factor: PosFloat
     rope_high_freq_factor: PosFloat
     rope_original_max_len: PosInt
+    attention: Literal["auto", "xla", "cudnn", "splash"]
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":

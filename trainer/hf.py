@@ -85,7 +85,7 @@ _HF_KEYS = {
     "final_softcap": "final_logit_softcapping",
 }
 # Fields that do not change what the weights compute, so a checkpoint need not match them.
-_FREE_FIELDS = ("name", "max_seq_len", "init_std", "dtype", "param_dtype")
+_FREE_FIELDS = ("name", "max_seq_len", "init_std", "dtype", "param_dtype", "attention")
 _SUMMARY_KEYS = (
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
@@ -161,6 +161,7 @@ def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
             init_std=hf.get("initializer_range", 0.02),
             dtype="float32",
             param_dtype="float32",
+            attention="auto",
             **features,
         )
     except ValidationError as err:

@@ -11,13 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from configs import ModelConfig
+from trainer.accelerators import chip_of
 from trainer.tensorboard import EventWriter
-
-# Dense bf16 peak FLOP/s per chip, by a substring of jax's `device_kind`.
-PEAK_FLOPS = {
-    "v6 lite": 918e12, "v6e": 918e12, "v5p": 459e12, "v5 lite": 197e12, "v5e": 197e12, "v4": 275e12,
-    "H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
-}
 
 
 def train_flops_per_step(cfg: ModelConfig, batch: int, seq_len: int) -> float:
@@ -51,9 +46,9 @@ def measure_matmul_flops(n: int = 1024, reps: int = 8, clock: Callable[[], float
 def peak_flops_per_device() -> tuple[float, str]:
     """Peak FLOP/s of one local device and where the number comes from."""
     device = jax.local_devices()[0]
-    for name, peak in PEAK_FLOPS.items():
-        if name.lower() in device.device_kind.lower():
-            return peak, f"{device.device_kind} bf16 spec"
+    chip = chip_of(device)
+    if chip:
+        return chip.peak_flops, f"{chip.name} dense bf16 spec"
     # CPU (or an unknown chip): measure; virtual CPU devices share the same cores.
     return measure_matmul_flops() / jax.local_device_count(), f"measured f32 matmul on {device.device_kind}"
 

@@ -34,6 +34,7 @@ import flax.linen as nn
 import numpy as np
 
 from configs import ModelConfig
+from trainer.attention import flash_attention, xla_attention
 
 Array = jax.Array
 
@@ -145,31 +146,20 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict[str, Array]:
     }
 
 
-def _dot_attention(q: Array, k: Array, v: Array, mask: Array | None, causal: bool, scale: float, cap: float) -> Array:
-    """Grouped-query attention [batch, q, heads, dim] x [batch, k, kv_heads, dim]; mask is [batch, 1, q, k]."""
-    if not cap:  # jax.nn.dot_product_attention handles grouped kv heads and picks cuDNN flash attention on GPU.
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale)
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    scores = _softcap(scores, cap)
-    if causal:
-        mask = jnp.tril(jnp.ones((t, k.shape[1]), bool))[None, None] & (True if mask is None else mask)
-    if mask is not None:
-        scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
-
-
 class Attention(nn.Module):
-    """Grouped-query causal self-attention, optionally reading and extending a KV cache."""
+    """Grouped-query causal self-attention, optionally reading and extending a KV cache.
+
+    `masks` holds what the kernel masks with: dense masks for XLA (see `_masks`), segment ids (if any) for a
+    flash kernel. Decoding with a cache always runs XLA's attention.
+    """
 
     cfg: ModelConfig
+    kernel: str = "xla"
+    mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
     def __call__(
-        self, x: Array, positions: Array, mask: Array | None, is_global: Array, kv: dict | None, index: Array | None
+        self, x: Array, positions: Array, masks: dict, is_global: Array, kv: dict | None, index: Array | None
     ) -> tuple[Array, dict | None]:
         cfg = self.cfg
         dtype, pdtype = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
@@ -193,9 +183,24 @@ class Attention(nn.Module):
             v = jax.lax.dynamic_update_slice(kv["v"], v.astype(kv["v"].dtype), (0, index, 0, 0))
             kv = {"k": k, "v": v}
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        # Without a cache or a window, causality is the plain lower triangle (cuDNN's fast path).
-        causal = kv is None and not cfg.sliding_window
-        out = _dot_attention(q, k, v, mask, causal, scale, cfg.attn_softcap)
+        if self.kernel != "xla" and kv is None:
+            def run(window: int) -> Array:
+                return flash_attention(self.kernel, q, k, v, masks.get("segment_ids"), scale=scale,
+                                       softcap=cfg.attn_softcap, window=window, mesh=self.mesh)
+
+            kinds = set(layer_is_global(cfg).tolist())
+            if len(kinds) == 2:  # the window is static to a kernel: one for each kind of layer, chosen per layer
+                out = jax.lax.cond(is_global, lambda: run(0), lambda: run(cfg.sliding_window))
+            else:
+                out = run(0 if True in kinds else cfg.sliding_window)
+        else:
+            if len(masks) == 2:  # local and global layers: this layer's kind is a scanned input
+                mask = jnp.where(is_global, masks["global"], masks["local"])
+            else:
+                (mask,) = masks.values()
+            # Without a cache or a window, causality is the plain lower triangle: no dense mask to build.
+            causal = kv is None and not cfg.sliding_window
+            out = xla_attention(q, k, v, mask, causal, scale, cfg.attn_softcap)
         out = nn.DenseGeneral(
             cfg.emb_dim, axis=(-2, -1), use_bias=False, dtype=dtype, param_dtype=pdtype,
             kernel_init=_init(cfg, ("heads", "head_dim", "embed")), name="o_proj",
@@ -226,17 +231,16 @@ class Block(nn.Module):
     """Pre-norm transformer block; shaped for `nn.scan` (carry x; scanned is_global and KV cache in, cache out)."""
 
     cfg: ModelConfig
+    kernel: str = "xla"
+    mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
     def __call__(
         self, x: Array, positions: Array, masks: dict, index: Array | None, is_global: Array, kv: dict | None
     ) -> tuple[Array, dict | None]:
         cfg = self.cfg
-        if len(masks) == 2:  # local and global layers: this layer's kind is a scanned input
-            mask = jnp.where(is_global, masks["global"], masks["local"])
-        else:
-            (mask,) = masks.values()
-        h, kv = Attention(cfg, name="attn")(_norm(cfg, "attn_norm")(x), positions, mask, is_global, kv, index)
+        attn = Attention(cfg, self.kernel, self.mesh, name="attn")
+        h, kv = attn(_norm(cfg, "attn_norm")(x), positions, masks, is_global, kv, index)
         x = x + (_norm(cfg, "attn_post_norm")(h) if cfg.post_norms else h)
         h = MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x))
         x = x + (_norm(cfg, "mlp_post_norm")(h) if cfg.post_norms else h)
@@ -272,10 +276,14 @@ class Transformer(nn.Module):
 
     With `cache` (from `init_cache`), the tokens are written to the cache from slot cache["index"] on,
     attend to everything cached before them, and the call returns (logits, updated cache).
+    `attention` is the kernel of a forward pass without a cache (trainer/attention.py: xla, cudnn or splash);
+    splash runs per device of `mesh`.
     """
 
     cfg: ModelConfig
     remat: str = "none"  # a key of REMAT_POLICIES
+    attention: str = "xla"
+    mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
     def __call__(
@@ -293,7 +301,10 @@ class Transformer(nn.Module):
         if cfg.scale_embeddings:
             x = x * jnp.asarray(math.sqrt(cfg.emb_dim), dtype)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-        masks, slot_pos = _masks(cfg, positions, segment_ids, cache)
+        if self.attention != "xla" and cache is None:
+            masks, slot_pos = ({} if segment_ids is None else {"segment_ids": segment_ids}), None
+        else:
+            masks, slot_pos = _masks(cfg, positions, segment_ids, cache)
         block = Block
         if self.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
@@ -304,7 +315,7 @@ class Transformer(nn.Module):
         )
         kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
         index = None if cache is None else cache["index"]
-        x, kv = layers(cfg, name="layers")(x, positions, masks, index, jnp.asarray(layer_is_global(cfg)), kv)
+        x, kv = layers(cfg, self.attention, self.mesh, name="layers")(x, positions, masks, index, jnp.asarray(layer_is_global(cfg)), kv)
         x = _tokens(_norm(cfg, "final_norm")(x))
         if cfg.tie_embeddings:
             logits = embed.attend(x)

@@ -16,7 +16,7 @@ import optax
 import flax.linen as nn
 
 from configs import ModelConfig, TrainConfig, UserError
-from trainer import checkpoint, metrics
+from trainer import attention, checkpoint, metrics
 from trainer.data import format_of, sequence_length, shard_paths, train_iterator
 from trainer.evaluate import token_loss, validation_loss
 from trainer.model import Transformer, param_count
@@ -28,14 +28,24 @@ TENSORBOARD_DIR = "tensorboard"
 Batch = dict[str, jax.Array]
 
 
-def make_model(model_cfg: ModelConfig, train_cfg: TrainConfig) -> Transformer:
-    """The model as trained: the configured rematerialisation policy on the layer stack."""
-    return Transformer(model_cfg, remat=train_cfg.remat)
+def make_model(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.Mesh, seq_len: int,
+    log: Callable[[str], None] = print,
+) -> Transformer:
+    """The model as trained: the configured rematerialisation policy, and the attention kernel for the mesh's devices."""
+    kernel, why = attention.choose(model_cfg.attention, model_cfg, mesh.devices.flat[0], seq_len, mesh.shape["tensor"])
+    log(f"attention: {kernel}" + (f" ({model_cfg.attention} falls back: {why})" if why else ""))
+    return Transformer(model_cfg, remat=train_cfg.remat, attention=kernel, mesh=mesh)
+
+
+def _for_init(model: Transformer) -> Transformer:
+    """The model to initialise params with: they do not depend on the kernel, and XLA's runs on a batch of one."""
+    return model.clone(attention="xla", mesh=None)
 
 
 def param_layout(model: Transformer, seq_len: int, mesh: jax.sharding.Mesh) -> Any:
     """Shapes, dtypes and mesh shardings of the params, without allocating them."""
-    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))["params"]
+    boxed = jax.eval_shape(_for_init(model).init, jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))["params"]
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), logical_shardings(boxed, mesh)
     )
@@ -44,6 +54,7 @@ def param_layout(model: Transformer, seq_len: int, mesh: jax.sharding.Mesh) -> A
 def init_params(model: Transformer, seq_len: int, seed: int, mesh: jax.sharding.Mesh) -> Any:
     """Randomly initialised params, created directly in their sharded layout."""
     tokens = jnp.zeros((1, seq_len), jnp.int32)
+    model = _for_init(model)
     boxed = jax.eval_shape(model.init, jax.random.key(seed), tokens)["params"]
     init = jax.jit(lambda key: nn.unbox(model.init(key, tokens)["params"]), out_shardings=logical_shardings(boxed, mesh))
     # `with mesh` (not jax.set_mesh): flax.linen's logical constraints inside nn.scan need the legacy context.
@@ -148,7 +159,7 @@ def compile_only(
     """Lower and compile the train step for the configured mesh from shapes alone; report per-device memory."""
     mesh = make_mesh(train_cfg.mesh, dcn=train_cfg.dcn_mesh)
     check_batch(train_cfg, mesh)
-    model, tx = make_model(model_cfg, train_cfg), make_optimizer(train_cfg)
+    model, tx = make_model(model_cfg, train_cfg, mesh, seq_len, log), make_optimizer(train_cfg)
     params = param_layout(model, seq_len, mesh)
     opt_state = opt_state_layout(tx, params, mesh)
     step = make_train_step(model, tx, train_cfg.grad_accum_steps, (params, opt_state))
@@ -199,7 +210,7 @@ def train(
     if seq_len > model_cfg.max_seq_len:
         raise UserError(f"the dataset's sequences ({seq_len} tokens) exceed model.max_seq_len ({model_cfg.max_seq_len})")
 
-    model, tx = make_model(model_cfg, train_cfg), make_optimizer(train_cfg)
+    model, tx = make_model(model_cfg, train_cfg, mesh, seq_len, log), make_optimizer(train_cfg)
     if model_cfg.param_dtype != "float32":
         log(f"warning: model.param_dtype={model_cfg.param_dtype} keeps master weights and Adam moments in "
             f"{model_cfg.param_dtype}; for low-precision compute set model.dtype=bfloat16 and keep param_dtype float32")

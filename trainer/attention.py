@@ -1,0 +1,146 @@
+"""Attention kernels: XLA's dense attention, cuDNN flash attention (NVIDIA GPUs), Pallas splash attention (TPU).
+
+Every kernel computes the same function: causal grouped-query attention over [batch, seq, heads, head_dim],
+optionally limited to a sliding window of the latest `window` tokens and to the query's own document
+(segment ids), with the scores scaled and optionally soft-capped (cap * tanh(score / cap)). `choose` picks the
+kernel for a model config and the devices it runs on; where a kernel cannot compute what the config asks, it
+picks XLA and says why, so a run never gets a silently different result.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from configs import ModelConfig, UserError
+
+Array = jax.Array
+KERNELS = ("xla", "cudnn", "splash")
+SPLASH_BLOCKS = (512, 256, 128)  # splash tiles: the largest that divides the sequence (TPU lanes are 128 wide)
+
+
+def choose(requested: str, cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: int = 1) -> tuple[str, str]:
+    """The kernel for `model.attention` on `device`'s platform, and why it is XLA when that was not the plan.
+
+    `auto` picks cuDNN on NVIDIA GPUs, splash on TPUs and XLA elsewhere. Asking for a kernel the devices
+    cannot run is an error; asking for one that cannot do this model's attention falls back to XLA.
+    """
+    platform = device.platform
+    nvidia = platform == "gpu" and "nvidia" in device.device_kind.lower()
+    if requested == "cudnn" and not nvidia:
+        raise UserError(f"model.attention=cudnn needs an NVIDIA GPU; this run's devices are {device.device_kind} "
+                        "(use model.attention=auto or xla)")
+    if requested == "splash" and platform != "tpu":
+        raise UserError(f"model.attention=splash needs a TPU; this run's devices are {device.device_kind} "
+                        "(use model.attention=auto or xla)")
+    kernel = requested if requested != "auto" else "cudnn" if nvidia else "splash" if platform == "tpu" else "xla"
+    why = {"cudnn": _cudnn_limits, "splash": _splash_limits}.get(kernel, lambda *_: "")(cfg, device, seq_len, tensor)
+    return ("xla", why) if why else (kernel, "")
+
+
+def _cudnn_limits(cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: int) -> str:
+    """Why cuDNN flash attention (as jax.nn.dot_product_attention drives it) cannot run this model; "" if it can."""
+    hopper = tuple(int(x) for x in str(getattr(device, "compute_capability", "9.0")).split(".")) >= (9, 0)
+    max_dim = 256 if hopper else 128
+    if cfg.dtype != "bfloat16":
+        return f"cuDNN flash attention computes in bfloat16 or float16, and model.dtype is {cfg.dtype}"
+    if cfg.attn_softcap:
+        return f"cuDNN flash attention cannot soft-cap scores (model.attn_softcap={cfg.attn_softcap:g})"
+    if cfg.head_dim % 8 or cfg.head_dim > max_dim:
+        return f"cuDNN flash attention on {device.device_kind} takes head_dim <= {max_dim}, a multiple of 8 (model.head_dim={cfg.head_dim})"
+    return ""
+
+
+def _splash_limits(cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: int) -> str:
+    """Why the splash kernel cannot run this model; "" if it can."""
+    if seq_len % SPLASH_BLOCKS[-1]:
+        return f"splash attention tiles sequences by {SPLASH_BLOCKS[-1]} tokens and they are {seq_len}"
+    if cfg.num_kv_heads % tensor:
+        return f"splash attention runs per device and the {cfg.num_kv_heads} kv heads do not split over train.mesh tensor={tensor}"
+    return ""
+
+
+def xla_attention(q: Array, k: Array, v: Array, mask: Array | None, causal: bool, scale: float, softcap: float) -> Array:
+    """XLA's attention, scores materialised; `mask` is a dense [batch, 1, q, k] mask (None: none beyond `causal`)."""
+    if not softcap:  # jax.nn's XLA path groups the kv heads itself
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale, implementation="xla")
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = softcap * jnp.tanh(scores / softcap)
+    if causal:
+        mask = jnp.tril(jnp.ones((t, k.shape[1]), bool))[None, None] & (True if mask is None else mask)
+    if mask is not None:
+        scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+
+
+def flash_attention(
+    kernel: str, q: Array, k: Array, v: Array, segment_ids: Array | None, *,
+    scale: float, softcap: float, window: int, mesh: Mesh | None = None,
+) -> Array:
+    """Causal attention of a training forward pass through cuDNN or splash; `window` 0 means the whole context.
+
+    Splash is a per-device Pallas kernel: on a mesh it runs under shard_map, batch split over data x fsdp and
+    heads over tensor, as the activations are laid out (see sharding.RULES). Off a TPU it runs in Pallas's
+    interpreter (tests).
+    """
+    if kernel == "cudnn":
+        return _cudnn(q, k, v, segment_ids, scale, window)
+    if kernel != "splash":
+        raise ValueError(f"flash_attention runs cudnn or splash, not {kernel!r}")
+    if mesh is None or mesh.size == 1:
+        return _splash(q, k, v, segment_ids, scale, softcap, window, _platform(mesh) != "tpu")
+    heads, rows = PartitionSpec(("data", "fsdp"), None, "tensor", None), PartitionSpec(("data", "fsdp"), None)
+    interpret = _platform(mesh) != "tpu"
+    if segment_ids is None:
+        per_device = lambda q, k, v: _splash(q, k, v, None, scale, softcap, window, interpret)  # noqa: E731
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(heads,) * 3, out_specs=heads, check_vma=False)(q, k, v)
+    per_device = lambda q, k, v, s: _splash(q, k, v, s, scale, softcap, window, interpret)  # noqa: E731
+    return jax.shard_map(
+        per_device, mesh=mesh, in_specs=(heads,) * 3 + (rows,), out_specs=heads, check_vma=False
+    )(q, k, v, segment_ids)
+
+
+def _platform(mesh: Mesh | None) -> str:
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
+def _cudnn(q: Array, k: Array, v: Array, segment_ids: Array | None, scale: float, window: int) -> Array:
+    """cuDNN flash attention: the causal mask and the window as cuDNN's own masks, documents as a dense mask."""
+    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=scale, is_causal=True,
+        local_window_size=(window - 1, 0) if window else None, implementation="cudnn",
+    )
+
+
+def _splash(
+    q: Array, k: Array, v: Array, segment_ids: Array | None, scale: float, softcap: float, window: int, interpret: bool
+) -> Array:
+    """Splash attention on one device's [batch, seq, heads, head_dim] shard (the kernel takes heads first)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    _, seq, heads, _ = q.shape
+    shape = (seq, seq)
+    mask = masks.LocalMask(shape, (window - 1, 0), 0) if window else masks.CausalMask(shape)
+    block = next(b for b in SPLASH_BLOCKS if seq % b == 0) if seq % SPLASH_BLOCKS[-1] == 0 else seq
+    kernel = splash.make_splash_mha(
+        masks.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1, interpret=interpret,
+        block_sizes=splash.BlockSizes(
+            block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
+            block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+        ),
+        attn_logits_soft_cap=softcap or None,
+    )
+    heads_first = lambda x: x.swapaxes(1, 2)  # noqa: E731
+    q, k, v = heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v)
+    if segment_ids is None:
+        out = jax.vmap(kernel)(q, k, v)
+    else:
+        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(q, k, v, segment_ids)
+    return heads_first(out)
