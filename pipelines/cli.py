@@ -5,7 +5,7 @@
     maxpipe prep    [PRESET] [key=value ...] output=DIR
     maxpipe ingest  [PRESET] [key=value ...] src=HF_DIR output=DIR
     maxpipe train   [PRESET] [key=value ...] dataset=DIR output=DIR [init=PARAMS_DIR]
-    maxpipe train   [PRESET] [key=value ...] [dataset=DIR] --compile-only
+    maxpipe train   [PRESET] [key=value ...] [dataset=DIR] --compile-only [--topology v5p-64]
     maxpipe export  [PRESET] [key=value ...] src=TRAIN_DIR dataset=DIR output=DIR
     maxpipe eval    [PRESET] [key=value ...] src=EXPORT_DIR dataset=DIR output=DIR
     maxpipe submit  [PRESET] [key=value ...] --project P --region R --pipeline-root gs://... [...]
@@ -56,8 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[:1] == ["data"]:
             return _data(argv[1:])
         # Flags may sit anywhere among the key=value items (argparse stops at the first one).
-        flags = [a for a in argv if a == "--compile-only"]
-        args = _parser().parse_args([a for a in argv if a not in flags] + flags)
+        flags = [i for i, a in enumerate(argv) if a == "--compile-only" or a.startswith("--topology")]
+        flags += [i + 1 for i in flags if argv[i] == "--topology" and i + 1 < len(argv)]
+        moved = [argv[i] for i in sorted(flags)]
+        args = _parser().parse_args([a for i, a in enumerate(argv) if i not in flags] + moved)
+        if getattr(args, "topology", None):
+            # Compiling for a TPU slice needs no local accelerator: keep JAX (and libtpu) off any this host has.
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
         return _dispatch(args)
     except UserError as err:
         if debug:
@@ -90,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             cmd.add_argument("--compile-only", action="store_true",
                              help="compile the train step for the mesh and report per-device memory; train nothing")
+            cmd.add_argument("--topology", metavar="TPU_TYPE", default="",
+                             help="with --compile-only: compile for this TPU slice (v4-8, v5e-16, v5p-64, v6e-256, ...) "
+                                  "on this machine, train.dcn_mesh slices of it; needs libtpu (pip install -e '.[tpu]')")
     return parser
 
 
@@ -108,10 +116,13 @@ def _data(argv: list[str]) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     compile_only = getattr(args, "compile_only", False)
+    if getattr(args, "topology", "") and not compile_only:
+        raise UserError("--topology compiles for a TPU slice this machine does not have: add --compile-only")
     preset, overrides, paths = _split_items(args.items, STEP_PATHS.get(args.command, ()), required=not compile_only)
     cfg = load_config(preset, overrides)
     if compile_only:
-        _compile_train(cfg, paths.get("dataset"))
+        fits = _compile_train(cfg, paths.get("dataset"), args.topology)
+        return 0 if fits is not False else 1
     elif args.command == "run":
         from pipelines.local import run_local, summary
 
@@ -150,8 +161,9 @@ def _split_items(
     return preset, overrides, paths
 
 
-def _compile_train(cfg: Config, dataset: str | None) -> None:
-    """`maxpipe train --compile-only`: the step compiled for the mesh, on the dataset's sequences if given."""
+def _compile_train(cfg: Config, dataset: str | None, topology: str) -> bool | None:
+    """`maxpipe train --compile-only`: the step compiled for the mesh (of a TPU slice), on the dataset's sequences
+    if given; whether it fits the devices' memory (None where that is unknown, on CPU)."""
     from trainer.train import compile_only
 
     seq_len, documents = cfg.data.seq_len, cfg.data.packing == "documents"
@@ -160,7 +172,7 @@ def _compile_train(cfg: Config, dataset: str | None) -> None:
 
         fmt = record_format(dataset)
         seq_len, documents = fmt.seq_len or seq_len, fmt.packing == "documents"
-    compile_only(cfg.model, cfg.train, seq_len, documents=documents)
+    return compile_only(cfg.model, cfg.train, seq_len, documents=documents, topology=topology)["fits"]
 
 
 def _run_step(command: str, cfg: Config, paths: dict[str, str]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -140,6 +141,25 @@ def test_compile_writes_a_spec_kfp_loads(tmp_path, capsys):
 def test_train_compile_only_reports_memory_without_data(capsys):
     code, out, err = maxpipe(capsys, "train", "tiny", "--compile-only", "train.mesh={fsdp: 4, tensor: 2}")
     assert code == 0, err
-    assert "compiled the train step for mesh {'data': 1, 'fsdp': 4, 'tensor': 2}" in out and "GiB per device" in out
+    assert "mesh {'data': 1, 'fsdp': 4, 'tensor': 2}" in out and "GiB per device" in out
     code, out, err = maxpipe(capsys, "train", "tiny", "--compile-only", "train.batch_size=6", "train.mesh={data: -1}")
     assert code == 1 and "batch_size" in one_error_line(err)
+    code, out, err = maxpipe(capsys, "train", "tiny", "--compile-only", "model.attention=cudnn")
+    assert code == 1 and "model.attention=cudnn needs an NVIDIA GPU" in one_error_line(err)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_train_compile_only_for_a_tpu_slice(capsys):
+    code, out, err = maxpipe(capsys, "train", "tiny", "--topology", "v5e-4", "data.seq_len=128", "--compile-only")
+    assert code == 0, err
+    assert "attention: splash" in out and "compiled the train step for v5e-4 (4 x TPU v5 lite)" in out and "fits" in out
+    code, out, err = maxpipe(capsys, "train", "tiny", "--compile-only", "--topology=v5e-4", "model=llama3_8b",
+                             "model.num_layers=2", "train.batch_size=4")
+    assert code == 1 and "does not fit, needs" in out
+
+
+def test_topology_needs_compile_only_and_a_known_slice(capsys):
+    code, out, err = maxpipe(capsys, "train", "tiny", "--topology", "v5e-4")
+    assert code == 1 and "add --compile-only" in one_error_line(err)
+    code, out, err = maxpipe(capsys, "train", "tiny", "--compile-only", "--topology", "v9-8")
+    assert code == 1 and "unknown TPU slice 'v9-8'" in one_error_line(err)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +20,12 @@ import flax.linen as nn
 from configs import ModelConfig, TrainConfig, UserError
 from trainer import attention, checkpoint, metrics
 from trainer.data import format_of, sequence_length, shard_paths, train_iterator
+from trainer.accelerators import memory_of
 from trainer.evaluate import token_loss, validation_loss
 from trainer.model import Transformer, param_count
 from trainer.optimizer import learning_rate_schedule, make_optimizer
 from trainer.sharding import RULES, batch_sharding, logical_shardings, make_mesh, replicated
+from trainer.topology import slice_devices
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -154,18 +158,52 @@ def abstract_batch(batch_size: int, seq_len: int, mesh: jax.sharding.Mesh, docum
 
 def compile_only(
     model_cfg: ModelConfig, train_cfg: TrainConfig, seq_len: int, log: Callable[[str], None] = print,
-    documents: bool = False,
+    documents: bool = False, topology: str = "",
 ) -> dict[str, Any]:
-    """Lower and compile the train step for the configured mesh from shapes alone; report per-device memory."""
-    mesh = make_mesh(train_cfg.mesh, dcn=train_cfg.dcn_mesh)
+    """Lower and compile the train step from shapes alone and report per-device memory against the device's.
+
+    With `topology` (a Cloud TPU type such as v5p-64) the step compiles for that slice, described by libtpu,
+    on whatever machine this is; train.dcn_mesh then counts slices.
+    """
+    devices, slices = None, 1
+    if topology:
+        slices = math.prod(train_cfg.dcn_mesh.values())
+        if slices < 0:
+            raise UserError("with --topology, train.dcn_mesh gives the number of slices: sizes, not -1")
+        devices = slice_devices(topology, slices)
+    mesh = make_mesh(train_cfg.mesh, devices, dcn=train_cfg.dcn_mesh)
     check_batch(train_cfg, mesh)
     model, tx = make_model(model_cfg, train_cfg, mesh, seq_len, log), make_optimizer(train_cfg)
     params = param_layout(model, seq_len, mesh)
     opt_state = opt_state_layout(tx, params, mesh)
     step = make_train_step(model, tx, train_cfg.grad_accum_steps, (params, opt_state))
+    device = mesh.devices.flat[0]
+    target = f"{mesh.size} x {device.device_kind}"
+    if topology:
+        target = f"{topology} ({target})" if slices == 1 else f"{slices} x {topology} ({target})"
+    capacity, capacity_source = memory_of(device)
+    report = {
+        "target": target, "mesh": dict(mesh.shape), "devices": mesh.size, "parameters": param_count(params),
+        "seq_len": seq_len, "batch_size": train_cfg.batch_size, "grad_accum_steps": train_cfg.grad_accum_steps,
+        "remat": train_cfg.remat, "dtype": model_cfg.dtype, "attention": model.attention,
+        "capacity_bytes_per_device": capacity,
+    }
     start = time.perf_counter()
-    with mesh, nn.logical_axis_rules(RULES):
-        compiled = step.lower(params, opt_state, abstract_batch(train_cfg.batch_size, seq_len, mesh, documents)).compile()
+    try:
+        with mesh, nn.logical_axis_rules(RULES):
+            batch = abstract_batch(train_cfg.batch_size, seq_len, mesh, documents)
+            compiled = step.lower(params, opt_state, batch).compile()
+    except jax.errors.JaxRuntimeError as err:
+        # XLA:TPU refuses a program over the chip's memory: "... required for HLO temporaries (400.00G)
+        # exceeds available HBM (95.74G)". That is the answer, not a failure of the command.
+        needed = re.search(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(err))
+        if not needed:
+            raise
+        report.update(fits=False, peak_bytes_per_device=int(float(needed[1]) * 2**30),
+                      capacity_bytes_per_device=int(float(needed[2]) * 2**30),
+                      compile_seconds=time.perf_counter() - start)
+        log(f"{target}, mesh {dict(mesh.shape)}: does not fit, needs {needed[1]} GiB of {needed[2]} GiB per device")
+        return report
     memory = compiled.memory_analysis()
     sizes = {
         f"{name}_bytes": int(getattr(memory, f"{name}_size_in_bytes", 0) or 0)
@@ -173,16 +211,17 @@ def compile_only(
     }
     # Donated inputs alias outputs: count those bytes once.
     peak = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
-    report = {
-        "mesh": dict(mesh.shape), "devices": mesh.size, "parameters": param_count(params), "seq_len": seq_len,
-        "batch_size": train_cfg.batch_size, "grad_accum_steps": train_cfg.grad_accum_steps, "remat": train_cfg.remat,
-        "dtype": model_cfg.dtype, **sizes, "peak_bytes_per_device": peak,
-        "compile_seconds": time.perf_counter() - start,
-    }
+    report.update(sizes, peak_bytes_per_device=peak, compile_seconds=time.perf_counter() - start,
+                  fits=None if capacity is None else peak <= capacity)
+    verdict = "" if capacity is None else (
+        f": fits, {peak / capacity:.0%} of {capacity / 2**30:.2f} GiB ({capacity_source})" if peak <= capacity else
+        f": does not fit, needs {peak / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB ({capacity_source})"
+    )
     log(
-        f"compiled the train step for mesh {dict(mesh.shape)} in {report['compile_seconds']:.1f}s: about "
-        f"{peak / 2**30:.3f} GiB per device (arguments {sizes['argument_bytes'] / 2**30:.3f}, "
-        f"temporaries {sizes['temp_bytes'] / 2**30:.3f})"
+        f"compiled the train step for {target}, mesh {dict(mesh.shape)}, in {report['compile_seconds']:.1f}s: about "
+        f"{peak / 2**30:.3f} GiB per device (arguments {sizes['argument_bytes'] / 2**30:.3f}, outputs "
+        f"{(sizes['output_bytes'] - sizes['alias_bytes']) / 2**30:.3f} beyond the donated arguments, temporaries "
+        f"{sizes['temp_bytes'] / 2**30:.3f}){verdict}"
     )
     return report
 
