@@ -4,7 +4,8 @@ One module, switched by config features (see the `model:` section of configs/bas
 (optionally (1 + w), Gemma), RoPE (plain, linear or Llama 3.1 scaled; its own base on local layers),
 grouped-query attention (optional QK-norm, query pre-attention scalar, logit soft-capping, sliding
 window on local layers), gated MLP (SwiGLU or GeGLU), optional post-attention/post-MLP norms,
-embedding scaling and final logit soft-capping, and an optional KV cache for decoding.
+embedding scaling and final logit soft-capping, and an optional KV cache for decoding. Attention runs
+through the kernel chosen for the devices (trainer/attention.py: XLA, cuDNN flash attention or splash).
 
 Every parameter carries logical axis names (embed, heads, kv, mlp, vocab, layers); `sharding.py`
 maps them onto the device mesh. The layer stack is one `nn.scan`, so parameters of the blocks are
@@ -315,7 +316,8 @@ class Transformer(nn.Module):
         )
         kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
         index = None if cache is None else cache["index"]
-        x, kv = layers(cfg, self.attention, self.mesh, name="layers")(x, positions, masks, index, jnp.asarray(layer_is_global(cfg)), kv)
+        stack = layers(cfg, self.attention, self.mesh, name="layers")
+        x, kv = stack(x, positions, masks, index, jnp.asarray(layer_is_global(cfg)), kv)
         x = _tokens(_norm(cfg, "final_norm")(x))
         if cfg.tie_embeddings:
             logits = embed.attend(x)

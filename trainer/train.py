@@ -19,8 +19,8 @@ import flax.linen as nn
 
 from configs import ModelConfig, TrainConfig, UserError
 from trainer import attention, checkpoint, metrics
-from trainer.data import format_of, sequence_length, shard_paths, train_iterator
 from trainer.accelerators import memory_of
+from trainer.data import format_of, sequence_length, shard_paths, train_iterator
 from trainer.evaluate import token_loss, validation_loss
 from trainer.model import Transformer, param_count
 from trainer.optimizer import learning_rate_schedule, make_optimizer

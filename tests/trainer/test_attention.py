@@ -160,3 +160,22 @@ def test_a_kernel_that_cannot_falls_back_to_xla_saying_why(requested, device, ov
 def test_a_kernel_the_devices_cannot_run_is_an_error(requested, device) -> None:
     with pytest.raises(UserError, match=f"model.attention={requested} needs"):
         choose(requested, _model(), device, 128)
+
+
+@pytest.mark.parametrize("documents, window", [(False, 0), (True, 100)])
+def test_cudnn_call_passes_jaxs_own_checks(monkeypatch, documents: bool, window: int) -> None:
+    """No GPU here: trace the cuDNN path (forward and backward) through jax's argument checks and read what reaches
+    the kernel. cuDNN's window (pos - length, pos] must be our `window` latest tokens, the query's own included."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 90800)  # what jax asks the (absent) cuDNN library
+    q, k = jnp.zeros((2, 256, 4, 64), jnp.bfloat16), jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
+    segments = jnp.zeros((2, 256), jnp.int32) if documents else None
+
+    def loss(q, k, v):
+        out = flash_attention("cudnn", q, k, v, segments, scale=0.125, softcap=0.0, window=window)
+        return out.astype(jnp.float32).sum()
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k))
+    assert "mask_type=MaskType.CAUSAL" in jaxpr
+    assert f"sliding_window_length={window or None}" in jaxpr

@@ -1,4 +1,7 @@
-"""The FLOP count behind MFU: 6 x matmul parameters x tokens plus causal attention, as MaxText counts it."""
+"""The FLOP count behind MFU (6 x matmul parameters x tokens plus causal attention, as MaxText counts it) and
+the chip whose peak it is divided by."""
+
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +9,7 @@ import flax.linen as nn
 import pytest
 
 from configs import load_config
+from trainer.accelerators import chip_of
 from trainer.metrics import train_flops_per_step
 from trainer.model import Transformer
 
@@ -27,3 +31,13 @@ def test_flops_are_six_n_tokens_plus_attention(overrides: list[str]) -> None:
     attention = 3 * cfg.num_layers * 4 * batch * seq * seq * cfg.num_heads * cfg.head_dim / 2
     assert train_flops_per_step(cfg, batch, seq) == pytest.approx(6 * n * batch * seq + attention, rel=1e-9)
 
+
+
+@pytest.mark.parametrize("kind, chip", [
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"), ("NVIDIA A100-SXM4-40GB", "A100 40GB"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA L4", "L4"), ("NVIDIA L40S", None), ("NVIDIA A10", "A10"),
+    ("TPU v4", "TPU v4"), ("TPU v5 lite", "TPU v5e"), ("TPU v5", "TPU v5p"), ("TPU v6 lite", "TPU v6e"), ("cpu", None),
+])
+def test_chips_are_named_by_their_device_kind(kind: str, chip: str | None) -> None:
+    found = chip_of(SimpleNamespace(device_kind=kind))
+    assert (found.name if found else None) == chip
