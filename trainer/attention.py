@@ -16,7 +16,6 @@ from jax.sharding import Mesh, PartitionSpec
 from configs import ModelConfig, UserError
 
 Array = jax.Array
-KERNELS = ("xla", "cudnn", "splash")
 SPLASH_BLOCKS = (512, 256, 128)  # splash tiles: the largest that divides the sequence (TPU lanes are 128 wide)
 
 
@@ -48,7 +47,8 @@ def _cudnn_limits(cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: in
     if cfg.attn_softcap:
         return f"cuDNN flash attention cannot soft-cap scores (model.attn_softcap={cfg.attn_softcap:g})"
     if cfg.head_dim % 8 or cfg.head_dim > max_dim:
-        return f"cuDNN flash attention on {device.device_kind} takes head_dim <= {max_dim}, a multiple of 8 (model.head_dim={cfg.head_dim})"
+        return (f"cuDNN flash attention on {device.device_kind} takes head_dim <= {max_dim}, a multiple of 8 "
+                f"(model.head_dim={cfg.head_dim})")
     return ""
 
 
@@ -57,7 +57,8 @@ def _splash_limits(cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: i
     if seq_len % SPLASH_BLOCKS[-1]:
         return f"splash attention tiles sequences by {SPLASH_BLOCKS[-1]} tokens and they are {seq_len}"
     if cfg.num_kv_heads % tensor:
-        return f"splash attention runs per device and the {cfg.num_kv_heads} kv heads do not split over train.mesh tensor={tensor}"
+        return (f"splash attention runs per device and the {cfg.num_kv_heads} kv heads do not split over "
+                f"train.mesh tensor={tensor}")
     return ""
 
 
