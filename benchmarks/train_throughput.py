@@ -13,7 +13,7 @@ over N steps of synthetic batches on one device. FLOPs are counted as MaxText do
 matmuls only, recomputation not counted).
 
 Anchors: on a known accelerator, its dense bf16 peak from trainer/accelerators.py (MFU as MaxText reports
-it) and a bf16 8192^2 matmul measured just before the variant; on CPU, float32 2048^2 matmuls measured around
+it) and a bf16 8192^2 matmul (median of 8) measured just before the variant; on CPU, float32 2048^2 matmuls measured around
 each variant, both wall-clock (fastest step against the best matmul) and per CPU-second of this process,
 which other work on a shared machine disturbs far less. Record the output in benchmarks/RESULTS.md.
 """
@@ -25,7 +25,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import flax.linen as nn
 
@@ -53,14 +52,7 @@ def matmul_anchor(device: jax.Device, clock=time.perf_counter) -> float:
     """FLOP/s of the matmul this device is held to: bf16 8192^2 on an accelerator, float32 2048^2 on CPU."""
     if device.platform == "cpu":
         return measure_matmul_flops(2048, clock=clock)
-    a = jnp.ones((8192, 8192), jnp.bfloat16)
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()
-    start = time.perf_counter()
-    for _ in range(10):
-        out = matmul(a)
-    out.block_until_ready()
-    return 10 * 2 * 8192**3 / (time.perf_counter() - start)
+    return measure_matmul_flops(8192, clock=clock, dtype="bfloat16")
 
 
 def run_variant(shape: str, seq: int, batch: int, remat: str, dtype: str, attention: str, steps: int) -> dict:

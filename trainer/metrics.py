@@ -26,13 +26,15 @@ def train_flops_per_step(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     return 3 * (cfg.num_layers * (ffn + qkv + out + attention) + unembed)
 
 
-def measure_matmul_flops(n: int = 1024, reps: int = 8, clock: Callable[[], float] = time.perf_counter) -> float:
-    """FLOP/s of a float32 n x n matmul on the default device: the peak we hold CPU runs to.
+def measure_matmul_flops(
+    n: int = 1024, reps: int = 8, clock: Callable[[], float] = time.perf_counter, dtype: str = "float32"
+) -> float:
+    """FLOP/s of an n x n matmul (median of `reps`) on the default device: the peak we hold CPU runs to.
 
     `clock=time.process_time` gives FLOPs per CPU-second of this process, which other work on a shared
     machine disturbs far less than wall time.
     """
-    a = jnp.ones((n, n), jnp.float32)
+    a = jnp.ones((n, n), dtype)
     matmul = jax.jit(lambda x: x @ x)
     matmul(a).block_until_ready()
     times = []

@@ -32,7 +32,6 @@ GENERATIONS = {  # name prefix -> (libtpu topology prefix, TensorCores the name 
 class Slice:
     """One TPU slice as libtpu's topology description takes it."""
 
-    name: str
     topology: str  # e.g. v5:2x4x4
     chip_config: str  # megacore | default
     chips_per_host: tuple[int, int, int]
@@ -51,9 +50,9 @@ def parse_slice(name: str) -> Slice:
         sizes = ", ".join(f"{match[1]}-{n * cores_per_chip}" for n in list(shapes)[:6])
         raise UserError(f"no TPU slice {name!r}: {match[1]} slices are {sizes}, ...")
     if cores_per_chip == 2:
-        return Slice(name, f"{prefix}:{shapes[chips]}", "megacore", (2, 2, 1), (chips >= 64,) * 3)
+        return Slice(f"{prefix}:{shapes[chips]}", "megacore", (2, 2, 1), (chips >= 64,) * 3)
     hosts = (1, 1, 1) if chips == 1 else (2, 2, 1)
-    return Slice(name, f"{prefix}:{shapes[chips]}", "default", hosts, GRID_WRAP.get(chips, (False,) * 3))
+    return Slice(f"{prefix}:{shapes[chips]}", "default", hosts, GRID_WRAP.get(chips, (False,) * 3))
 
 
 def slice_devices(name: str, num_slices: int = 1) -> list[jax.Device]:
