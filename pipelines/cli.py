@@ -108,9 +108,9 @@ def _data(argv: list[str]) -> int:
     inspect.add_argument("directory")
     inspect.add_argument("--samples", type=int, default=2, help="decoded validation sequences to show")
     args = parser.parse_args([a for a in argv if a != "--debug"])
-    from data_prep.inspect import inspect_dataset
+    from data_prep.describe import describe_dataset
 
-    print(inspect_dataset(args.directory, samples=args.samples))
+    print(describe_dataset(args.directory, samples=args.samples))
     return 0
 
 

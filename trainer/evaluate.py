@@ -18,7 +18,7 @@ from configs import EvalConfig, ModelConfig, UserError
 from trainer.data import eval_batches, shard_paths
 from trainer.decode import generate_batch
 from trainer.model import Transformer
-from trainer.tasks import score_task
+from trainer.multiple_choice import score_task
 from trainer.tokenizer import load_tokenizer
 
 Array = jax.Array

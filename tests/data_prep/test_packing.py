@@ -105,10 +105,10 @@ def test_beam_args_reach_a_dataflow_pipeline(tmp_path):
 
 
 def test_inspect_reads_documents_records(tmp_path):
-    from data_prep.inspect import inspect_dataset
+    from data_prep.describe import describe_dataset
 
     corpus = write_corpus(tmp_path / "corpus", n=12, seed=42)
     stats = prepare(make_cfg([str(corpus / "*")], seq_len=16, packing="documents"), 400, tmp_path / "out", log=lambda _: None)
     (tmp_path / "out" / "manifest.json").write_text(json.dumps({"kind": "dataset", "stats": stats}))
-    report = inspect_dataset(tmp_path / "out")
+    report = describe_dataset(tmp_path / "out")
     assert "packing documents" in report and f"{stats['documents']['train']:,} documents" in report

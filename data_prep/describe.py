@@ -12,7 +12,7 @@ from data_prep.pack import PAD, read_shard
 from data_prep.tokenizer import Encoder
 
 
-def inspect_dataset(directory: str | Path, samples: int = 2, sample_chars: int = 400) -> str:
+def describe_dataset(directory: str | Path, samples: int = 2, sample_chars: int = 400) -> str:
     """A readable report: counts, padding, skips, document lengths (histogram) and decoded samples."""
     directory = Path(directory)
     manifest_path = directory / "manifest.json"
