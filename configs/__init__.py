@@ -2,9 +2,11 @@
 
 from configs.errors import ConfigError, UserError
 from configs.loader import available, load_config, parse_override, validate
-from configs.schema import Config, DataConfig, EvalConfig, ExportConfig, ModelConfig, PipelineConfig, TrainConfig
+from configs.schema import (
+    Config, DataConfig, EvalConfig, ExportConfig, ModelConfig, PipelineConfig, TrainConfig, TrainSettings,
+)
 
 __all__ = [
     "Config", "ConfigError", "DataConfig", "EvalConfig", "ExportConfig", "ModelConfig", "PipelineConfig", "TrainConfig",
-    "UserError", "available", "load_config", "parse_override", "validate",
+    "TrainSettings", "UserError", "available", "load_config", "parse_override", "validate",
 ]

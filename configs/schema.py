@@ -94,8 +94,19 @@ class DataConfig(_Section):
         return self
 
 
-class TrainConfig(_Section):
-    """Optimizer, schedule, checkpointing and mesh for the train step."""
+class TrainSettings(_Section):
+    """How a training is checkpointed and watched: these do not change its result, so they do not version it."""
+
+    checkpoint_every: PosInt
+    keep_checkpoints: PosInt
+    log_every: PosInt
+    tensorboard: bool
+    eval_every: NonNegInt
+    eval_batches: PosInt
+
+
+class TrainConfig(TrainSettings):
+    """Optimizer, schedule and mesh for the train step, and its run settings (TrainSettings)."""
 
     steps: PosInt
     batch_size: PosInt
@@ -107,16 +118,10 @@ class TrainConfig(_Section):
     b2: Fraction
     grad_clip: NonNegFloat
     seed: int
-    checkpoint_every: PosInt
-    keep_checkpoints: PosInt
-    log_every: PosInt
     mesh: dict[Literal["data", "fsdp", "tensor"], int]
     dcn_mesh: dict[Literal["data", "fsdp", "tensor"], int]
     remat: Literal["none", "minimal", "full"]
     grad_accum_steps: PosInt
-    tensorboard: bool
-    eval_every: NonNegInt
-    eval_batches: PosInt
     continue_from: Literal["", "latest_export"]
 
     @model_validator(mode="after")
