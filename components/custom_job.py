@@ -18,7 +18,7 @@ from typing import Any
 
 from configs import Config, UserError
 from configs.schema import TrainResources
-from components import artifacts
+from contract import manifest as artifacts
 from components.polling import wait_for_state
 from components.steps import Step
 from components.vertex_api import api_errors, one_line, vertex_session

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from configs import Config, UserError
 from components import steps
-from components.artifacts import GCS_MOUNT
+from contract.manifest import GCS_MOUNT
 
 ERROR_PREFIX = "maxpipe error: "
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from configs import Config, UserError
-from components import artifacts
+from contract import manifest as artifacts
 
 Log = Callable[[str], None]
 

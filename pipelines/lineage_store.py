@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from components.artifacts import MANIFEST
+from contract.manifest import MANIFEST
 from configs import UserError
 
 STORE_NAME = "lineage.sqlite"

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from components import artifacts
+from contract import manifest as artifacts
 from components.kfp_support import ERROR_PREFIX
 from configs import Config, UserError
 from pipelines.dag import build_pipeline

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from components.artifacts import MANIFEST
+from contract.manifest import MANIFEST
 from configs import load_config
 from pipelines.local import run_local
 from tests.helpers import small_corpus

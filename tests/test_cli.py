@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from components.artifacts import MANIFEST
+from contract.manifest import MANIFEST
 from pipelines.cli import main
 from tests.helpers import small_corpus, tiny_hf_llama
 

@@ -6,7 +6,8 @@ from typing import Any
 import pytest
 
 import data_prep
-from components import artifacts, steps
+from components import steps
+from contract import manifest as artifacts
 from configs import load_config
 
 DATAFLOW = ["--runner=DataflowRunner", "--project=p", "--region=europe-west4", "--temp_location=gs://bkt/tmp"]

@@ -20,7 +20,8 @@ import yaml
 from google.auth.credentials import AnonymousCredentials
 from google.cloud.aiplatform_v1.types import AcceleratorType
 
-from components import artifacts, custom_job, steps
+from components import custom_job, steps
+from contract import manifest as artifacts
 from components.kfp_support import store_root
 from configs import UserError, load_config
 from pipelines.dag import LOCATION_PLACEHOLDER, PROJECT_PLACEHOLDER, compile_pipeline

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from components import artifacts
+from contract import manifest as artifacts
 from components.kfp_support import artifact_metadata
 from configs import UserError, load_config
 from pipelines.lineage import lineage_main, vertex_view, view_from_subgraph

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from components.artifacts import MANIFEST
+from contract.manifest import MANIFEST
 from configs import load_config
 from pipelines.local import run_local, summary
 from trainer.data import shard_paths
