@@ -14,6 +14,7 @@ it must not grow with the corpus. Prints the ratio (goal >= 0.8); record the out
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import resource
@@ -34,7 +35,10 @@ def job(spec: str) -> None:
     args = json.loads(spec)
     start = time.perf_counter()
     data = {k: v for k, v in args["data"].items() if k in DataConfig.model_fields}  # also runs against older checkouts
-    stats = prepare(DataConfig(**data), VOCAB, args["out"], log=lambda line: print(line, file=sys.stderr))
+    cfg = DataConfig(**data)
+    # Since 2026-11-24 the Beam options are passed apart from the config (they do not version the output).
+    beam = {"beam_args": cfg.beam_args} if "beam_args" in inspect.signature(prepare).parameters else {}
+    stats = prepare(cfg, VOCAB, args["out"], log=lambda line: print(line, file=sys.stderr), **beam)
     seconds = time.perf_counter() - start
     print(json.dumps({
         "seconds": seconds, "tokens": sum(stats["tokens"].values()), "documents": sum(stats["documents"].values()),

@@ -1,133 +1,122 @@
-"""The pipeline's steps as plain functions: version, cache check, work, manifest.
+"""The pipeline's steps: what each one runs, the config fields that version its output, and `execute`.
 
-Each `plan_*` function names a step's output (its version, from the config fields that change it,
-its inputs' versions and its code) without doing any work. `execute` then runs it into a directory,
-or reuses that directory when it already holds this version complete (a cache hit). Pipelines
-write into a content-addressed store, `{store}/{step}/{version}`, so a rerun on any runner finds
-finished work; the CLI's single steps write where the user says.
+Each `plan_*` function names a step's output without doing any work: its version hashes the config
+fields the step declares (and only those reach its work), its inputs' versions and its code (the
+modules its work function runs, contract/versions.py). `execute` holds the output directory's
+lease (contract/lease.py), then reuses a complete output of this version (a cache hit) or runs
+the work and publishes the manifest. Pipelines write into a content-addressed store,
+`{store}/{step}/{version}`, so a rerun on any runner finds finished work; the CLI's single steps
+write where the user says.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from configs import Config, UserError
-from contract import manifest as artifacts
+from configs import Config, TrainConfig, TrainSettings, UserError
+from contract import lease, versions
+from contract.manifest import (
+    MANIFEST, check_output, clear_partial, mounted_url, publish, read_manifest, reference, require_manifest,
+)
 
 Log = Callable[[str], None]
+
+# Fields of TrainConfig that change a training's result: not its run settings (TrainSettings), and not
+# continue_from, which the pipeline resolves into the init input (versioned as that input).
+TRAIN_FIELDS = sorted(set(TrainConfig.model_fields) - set(TrainSettings.model_fields) - {"continue_from"})
 
 
 @dataclass(frozen=True)
 class Step:
-    """A step's identity and its work, `work(out_dir) -> stats`."""
+    """A step's identity and its work: `work(out_dir) -> stats`, a library function with its arguments bound."""
 
     name: str
     kind: str
-    config: dict[str, Any]
-    inputs: list[dict[str, Any]]
-    code: str
-    work: Callable[[Path], dict[str, Any]]
+    config: dict[str, Any]  # the fields that version the output: the work gets these and no other config
+    inputs: list[dict[str, Any]]  # {kind, version, uri} of each input: their versions version the output
+    work: functools.partial  # a library function with every argument but the output directory bound
+    out_arg: str = "out_dir"  # the name under which `work` takes the output directory
+    settings: dict[str, Any] = field(default_factory=dict)  # run settings the work gets that do not version it
     keep_partial: bool = False  # training resumes from the checkpoints an interrupted attempt left
+    lease_timeout: float = 120.0
+
+    @property
+    def code(self) -> str:
+        """The hash of the modules the work function runs."""
+        return versions.code_version(self.work.func.__module__)
 
     @property
     def version(self) -> str:
-        return artifacts.version_of(self.name, self.config, self.inputs, self.code)
+        return versions.version_of(self.name, self.config, [i["version"] for i in self.inputs], self.code)
 
 
 def plan_prep(cfg: Config, log: Log = print) -> Step:
     """Tokenize and pack the corpus into ArrayRecord shards (a Dataset artifact)."""
-    from data_prep import fingerprint, resolve_inputs
+    from data_prep import fingerprint, prepare, resolve_inputs
 
     data = cfg.data.model_copy(update={"tokenizer": tokenizer_source(cfg)})
+    data = versions.only(data, set(data.model_fields) - {"beam_args"})  # where Beam runs is not what it writes
     files = resolve_inputs(data.input)
     inputs = [{"kind": "files", "version": fingerprint(files), "uri": ",".join(data.input)}]
-
-    def work(out: Path) -> dict[str, Any]:
-        from data_prep import prepare
-        from data_prep.pipeline import is_direct, pipeline_options
-
-        # Dataflow's workers cannot see this task's Cloud Storage mount: they write to gs:// itself.
-        target = out if is_direct(pipeline_options(data.beam_args)) else artifacts.mounted_url(out)
-        return prepare(data, cfg.model.vocab_size, target, log=log)
-
-    config = {"data": data.model_dump(exclude={"beam_args"}), "vocab_size": cfg.model.vocab_size}
-    return Step("prep", "dataset", config, inputs, artifacts.code_version("data_prep"), work)
+    beam_args = cfg.data.beam_args
+    work = functools.partial(prepare, cfg=data, vocab_size=cfg.model.vocab_size, log=log, beam_args=beam_args)
+    return Step("prep", "dataset", {"data": data, "vocab_size": cfg.model.vocab_size}, inputs, work,
+                settings={"beam_args": beam_args}, lease_timeout=cfg.pipeline.lease_timeout)
 
 
 def plan_ingest(cfg: Config, hf_dir: str | Path, log: Log = print) -> Step:
     """Convert a HF checkpoint (safetensors; pickle only if allowed) into our Orbax params (a Model artifact)."""
+    from trainer.ingest import ingest
+
     allow_pickle = cfg.pipeline.hf_allow_pickle
-
-    def work(out: Path) -> dict[str, Any]:
-        from trainer import hf
-
-        return hf.ingest(hf_dir, out, cfg.model, log=log, allow_pickle=allow_pickle)
-
-    version = _hf_fingerprint(hf_dir, allow_pickle)
     uri = str(hf_dir) if "://" in str(hf_dir) else str(Path(hf_dir).absolute())
-    inputs = [{"kind": "hf_checkpoint", "version": version, "uri": uri}]
-    config = {"model": cfg.model.model_dump(), "allow_pickle": allow_pickle}
-    return Step("ingest", "params", config, inputs, artifacts.code_version("trainer"), work)
+    inputs = [{"kind": "hf_checkpoint", "version": _hf_fingerprint(hf_dir, allow_pickle), "uri": uri}]
+    work = functools.partial(ingest, hf_dir=hf_dir, cfg=cfg.model, log=log, allow_pickle=allow_pickle)
+    return Step("ingest", "params", {"model": cfg.model, "allow_pickle": allow_pickle}, inputs, work,
+                lease_timeout=cfg.pipeline.lease_timeout)
 
 
 def plan_train(cfg: Config, dataset_dir: str | Path, init_dir: str | Path | None = None, log: Log = print) -> Step:
     """Train on the dataset, from random init or ingested params (a Model artifact of full checkpoints)."""
+    from trainer.train import train
 
-    def work(out: Path) -> dict[str, Any]:
-        from trainer.train import train
-
-        return train(cfg.model, cfg.train, dataset_dir, out, init_params_dir=init_dir, log=log)
-
-    inputs = [artifacts.reference(dataset_dir)] + ([artifacts.reference(init_dir)] if init_dir else [])
-    config = {"model": cfg.model.model_dump(), "train": cfg.train.model_dump()}
-    return Step("train", "checkpoints", config, inputs, artifacts.code_version("trainer"), work, keep_partial=True)
+    train_cfg = versions.only(cfg.train, TRAIN_FIELDS)
+    settings = TrainSettings(**cfg.train.model_dump(include=set(TrainSettings.model_fields)))
+    inputs = [reference(dataset_dir)] + ([reference(init_dir)] if init_dir else [])
+    work = functools.partial(train, model_cfg=cfg.model, train_cfg=train_cfg, settings=settings,
+                             dataset_dir=dataset_dir, init_params_dir=init_dir, log=log)
+    return Step("train", "checkpoints", {"model": cfg.model, "train": train_cfg}, inputs, work, out_arg="run_dir",
+                settings={"train": settings}, keep_partial=True, lease_timeout=cfg.pipeline.lease_timeout)
 
 
 def plan_export(cfg: Config, train_dir: str | Path, dataset_dir: str | Path, log: Log = print) -> Step:
     """Param-only Orbax checkpoint and a HF directory from the last training checkpoint (a Model artifact)."""
+    from trainer.export import export
 
     exp = cfg.export
-
-    def work(out: Path) -> dict[str, Any]:
-        from trainer import checkpoint, hf
-
-        # Each parameter read from the checkpoint once, as it is written: memory stays well below the model's.
-        step, stored = checkpoint.latest_stored_params(train_dir, checkpoint.abstract_params(cfg.model))
-        dtype = exp.dtype or cfg.model.param_dtype
-        copies = checkpoint.lazy_copies(stored, dtype, unscanned=exp.unscanned)
-        checkpoint.save_lazy_params(out, copies)
-        hf_stats = hf.export_hf(stored, cfg.model, Path(dataset_dir) / "tokenizer", out / "hf", log=log,
-                                dtype=dtype, max_shard_bytes=exp.max_shard_bytes)
-        log(f"exported step {step}: {out / checkpoint.PARAMS_DIR} ({dtype}, "
-            f"{'unscanned' if exp.unscanned else 'scanned'}) and {out / 'hf'}")
-        return {"step": step, "params_dir": checkpoint.PARAMS_DIR, "dtype": dtype, "unscanned": exp.unscanned,
-                "hf_dir": "hf", "hf": hf_stats}
-
-    inputs = [artifacts.reference(train_dir), artifacts.reference(dataset_dir)]
-    config = {"model": cfg.model.model_dump(), "export": exp.model_dump()}
-    return Step("export", "exported_model", config, inputs, artifacts.code_version("trainer"), work)
+    work = functools.partial(
+        export, train_dir=train_dir, model_cfg=cfg.model, dtype=exp.dtype or cfg.model.param_dtype,
+        unscanned=exp.unscanned, max_shard_bytes=exp.max_shard_bytes, tokenizer_dir=Path(dataset_dir) / "tokenizer",
+        log=log,
+    )
+    inputs = [reference(train_dir), reference(dataset_dir)]
+    return Step("export", "exported_model", {"model": cfg.model, "export": exp}, inputs, work,
+                lease_timeout=cfg.pipeline.lease_timeout)
 
 
 def plan_eval(cfg: Config, model_dir: str | Path, dataset_dir: str | Path, log: Log = print) -> Step:
     """Validation loss, perplexity, samples and task scores of an exported model, and a report (a metrics artifact)."""
+    from trainer.eval_run import run_eval
 
-    def work(out: Path) -> dict[str, Any]:
-        from trainer import checkpoint
-        from trainer.evaluate import evaluate
-        from trainer.report import write_report
-
-        params = checkpoint.load_params(model_dir, checkpoint.abstract_params(cfg.model))
-        results = evaluate(params, cfg.model, cfg.eval, dataset_dir, log=log)
-        (out / "metrics.json").write_text(json.dumps(results, indent=2))
-        write_report(out, results, _training_metrics(model_dir))
-        return results
-
-    inputs = [artifacts.reference(model_dir), artifacts.reference(dataset_dir)]
+    inputs = [reference(model_dir), reference(dataset_dir)]
     if cfg.eval.tasks:  # a changed task file is a new evaluation
         from data_prep import fingerprint
 
@@ -135,32 +124,61 @@ def plan_eval(cfg: Config, model_dir: str | Path, dataset_dir: str | Path, log: 
         if missing:
             raise UserError(f"eval.tasks: no such file {missing[0]}")
         inputs.append({"kind": "files", "version": fingerprint(cfg.eval.tasks), "uri": ",".join(cfg.eval.tasks)})
-    return Step("eval", "metrics", {"eval": cfg.eval.model_dump()}, inputs, artifacts.code_version("trainer"), work)
+    work = functools.partial(run_eval, model_dir=model_dir, model_cfg=cfg.model, eval_cfg=cfg.eval,
+                             dataset_dir=dataset_dir, training_metrics=_training_metrics(model_dir), log=log)
+    return Step("eval", "metrics", {"model": cfg.model, "eval": cfg.eval}, inputs, work,
+                lease_timeout=cfg.pipeline.lease_timeout)
 
 
-def execute(step: Step, out_dir: str | Path, log: Log = print, primary: bool = True) -> dict[str, Any]:
+@contextlib.contextmanager
+def claimed(step: Step, out: Path, log: Log = print) -> Iterator[dict[str, Any] | None]:
+    """Hold the lease on `out` for `step`'s version; yields its manifest if it is (or becomes) complete, else None.
+
+    While another run holds the lease this waits for it (a cache hit when it finishes) or takes over
+    a lease whose holder died. With the lease held, what an unfinished attempt left is cleared,
+    unless the step resumes from it.
+    """
+    what = f"{step.name} {step.version}"
+    with lease.held(mounted_url(out), what, lambda: check_output(out, step.version), timeout=step.lease_timeout,
+                    log=log) as (done, held):
+        if held is not None and not step.keep_partial:
+            clear_partial(out)
+        yield done if done is not None else None
+
+
+def execute(step: Step, out_dir: str | Path, log: Log = print, primary: bool = True, leased: bool = True) -> dict[str, Any]:
     """Run a step into out_dir and publish its manifest, or return the manifest already there (cache hit).
 
-    In a multi-host job every process does the work and only the `primary` one publishes.
+    In a multi-host job every process does the work, only the `primary` one publishes, and the
+    hosts run without the lease (`leased=False`): the launcher holds it while it waits for them.
     """
     if "://" in str(out_dir):
-        # The manifest layer (components.artifacts) works on local and mounted paths (/gcs/... on Vertex).
+        # The manifest layer works on local and mounted paths (/gcs/... on Vertex).
         raise UserError(f"output {out_dir}: give a local or mounted path (e.g. /gcs/BUCKET/...), not a URL")
     out = Path(out_dir)
+    if not leased:
+        done = check_output(out, step.version)
+        out.mkdir(parents=True, exist_ok=True)
+        return done if done is not None else _run(step, out, log, primary)
+    with claimed(step, out, log) as done:
+        if done is not None:
+            log(f"[{step.name}] cache hit: version {step.version} is complete at {out}")
+            return done
+        return _run(step, out, log, primary)
+
+
+def _run(step: Step, out: Path, log: Log, primary: bool) -> dict[str, Any]:
     version = step.version
-    cached = artifacts.prepare_output(out, version, keep_partial=step.keep_partial or not primary)
-    if cached is not None:
-        log(f"[{step.name}] cache hit: version {version} is complete at {out}")
-        return cached
     log(f"[{step.name}] version {version} -> {out}")
     start = time.perf_counter()
-    stats = step.work(out)
+    stats = step.work(**{step.out_arg: out})
     stats["seconds"] = round(time.perf_counter() - start, 2)
     if not primary:
         return {"version": version, "stats": stats}
-    manifest = artifacts.publish(
-        out, kind=step.kind, step=step.name, version=version, code=step.code, config=step.config,
-        inputs=step.inputs, stats=stats,
+    manifest = publish(
+        out, kind=step.kind, step=step.name, version=version, code=step.code,
+        config={k: versions.plain(v) for k, v in step.config.items()},
+        settings={k: versions.plain(v) for k, v in step.settings.items()}, inputs=step.inputs, stats=stats,
     )
     log(f"[{step.name}] published version {version} ({stats['seconds']:.1f}s)")
     return manifest
@@ -204,12 +222,12 @@ def latest_export(store: str | Path, cfg: Config, dataset_dir: str | Path) -> Pa
     Scheduled retraining continues from it: new data trains on from the last model, while a rerun
     on unchanged data picks the same starting point as before, so its train step is a cache hit.
     """
-    dataset = artifacts.require_manifest(dataset_dir)["version"]
-    model = cfg.model.model_dump()
+    dataset = require_manifest(dataset_dir)["version"]
+    model = versions.plain(cfg.model)
     candidates = []
-    for path in (Path(store) / "export").glob(f"*/{artifacts.MANIFEST}"):
+    for path in (Path(store) / "export").glob(f"*/{MANIFEST}"):
         export = json.loads(path.read_text())
-        trained = artifacts.read_manifest(export["inputs"][0]["uri"])
+        trained = read_manifest(export["inputs"][0]["uri"])
         if export["config"]["model"] == model and trained and trained["inputs"][0]["version"] != dataset:
             candidates.append((export["created"], export["version"], path.parent))
     return max(candidates)[2] if candidates else None
@@ -217,7 +235,7 @@ def latest_export(store: str | Path, cfg: Config, dataset_dir: str | Path) -> Pa
 
 def _training_metrics(model_dir: str | Path) -> Path | None:
     """The metrics.jsonl of the training run an export came from, if the export has one upstream."""
-    for ref in artifacts.require_manifest(model_dir)["inputs"]:
+    for ref in require_manifest(model_dir)["inputs"]:
         if ref["kind"] == "checkpoints" and (Path(ref["uri"]) / "metrics.jsonl").is_file():
             return Path(ref["uri"]) / "metrics.jsonl"
     return None

@@ -168,6 +168,7 @@ class PipelineConfig(_Section):
     store: str
     hf_checkpoint: str
     hf_allow_pickle: bool
+    lease_timeout: PosFloat
 
 
 class StepResources(_Section):

@@ -1,27 +1,24 @@
-"""The artifact contract: one directory per step output, its payload first and `manifest.json` last.
+"""Manifests: one directory per step output, its payload first and `manifest.json` last.
 
-A manifest is `{kind, version, step, created, code_version, config, inputs, stats}`. `version` is a
-short content hash of the step name, the config fields that change the output, the input versions
-and the step's code version. A directory without a manifest is incomplete and is never used.
+A manifest is `{kind, version, step, created, code_version, config, settings, inputs, stats}`:
+`config` holds the fields that version the output (contract/versions.py), `settings` the run
+settings that did not, `inputs` the `{kind, version, uri}` of each input. A directory without a
+manifest is incomplete and is never used.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import os
 import shutil
-from functools import cache
-from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 from configs import UserError
+from contract.lease import LEASE_DIR
 
 MANIFEST = "manifest.json"
-
-
 GCS_MOUNT = "/gcs/"  # where Vertex AI mounts Cloud Storage (Cloud Storage FUSE) inside every step and job
 
 
@@ -29,24 +26,6 @@ def mounted_url(path: str | Path) -> str:
     """The gs:// URL of a path under the Cloud Storage mount; other paths unchanged."""
     path = str(path)
     return "gs://" + path.removeprefix(GCS_MOUNT) if path.startswith(GCS_MOUNT) else path
-
-
-@cache
-def code_version(*packages: str) -> str:
-    """A short hash of the Python sources of our packages: a code change gives a new version."""
-    digest = hashlib.sha256()
-    for package in sorted(packages):
-        root = Path(import_module(package).__file__).parent
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-def version_of(step: str, config: dict[str, Any], inputs: list[dict[str, Any]], code: str) -> str:
-    """The content hash that names a step's output."""
-    key = {"step": step, "config": config, "inputs": [i["version"] for i in inputs], "code": code}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any] | None:
@@ -71,36 +50,35 @@ def reference(directory: str | Path) -> dict[str, Any]:
     return {"kind": manifest["kind"], "version": manifest["version"], "uri": str(Path(directory).absolute())}
 
 
-def prepare_output(directory: str | Path, version: str, keep_partial: bool = False) -> dict[str, Any] | None:
-    """Get `directory` ready for a step: the manifest if this version is already complete (a cache hit).
-
-    A complete artifact of another version is never overwritten. An incomplete directory is cleared,
-    unless `keep_partial` (training resumes from the checkpoints it holds).
-    """
-    directory = Path(directory)
+def check_output(directory: str | Path, version: str) -> dict[str, Any] | None:
+    """The manifest if `directory` holds this version complete; an error if it holds another; else None."""
     manifest = read_manifest(directory)
-    if manifest is not None:
-        if manifest["version"] == version:
-            return manifest
+    if manifest is not None and manifest["version"] != version:
         raise UserError(
             f"{directory} already holds version {manifest['version']} of {manifest['kind']}; "
             "choose another output directory or delete it"
         )
-    if directory.exists() and any(directory.iterdir()) and not keep_partial:
-        shutil.rmtree(directory)
+    return manifest
+
+
+def clear_partial(directory: str | Path) -> None:
+    """Remove what an unfinished attempt left in `directory`, except the lease (its holder is the caller)."""
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return None
+    for entry in directory.iterdir():
+        if entry.name != LEASE_DIR:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
 def publish(
-    directory: str | Path, *, kind: str, step: str, version: str, code: str,
-    config: dict[str, Any], inputs: list[dict[str, Any]], stats: dict[str, Any],
+    directory: str | Path, *, kind: str, step: str, version: str, code: str, config: dict[str, Any],
+    settings: dict[str, Any], inputs: list[dict[str, Any]], stats: dict[str, Any],
 ) -> dict[str, Any]:
     """Write the manifest last and atomically (temp file + rename): the artifact is now complete."""
     manifest = {
         "kind": kind, "version": version, "step": step,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "code_version": code, "config": config, "inputs": inputs, "stats": stats,
+        "code_version": code, "config": config, "settings": settings, "inputs": inputs, "stats": stats,
     }
     path = Path(directory) / MANIFEST
     tmp = path.with_suffix(".tmp")

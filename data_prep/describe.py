@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from configs import UserError
-from data_prep.pack import PAD, read_shard
+from contract.records import PAD
+from data_prep.pack import read_shard
 from data_prep.tokenizer import Encoder
 
 

@@ -1,14 +1,4 @@
-"""Packing token streams into fixed-length int32 records and writing them as ArrayRecord shards.
-
-Record layouts (the trainer reads them as `np.frombuffer(record, "<i4")`), named in the manifest's
-`record_format`:
-- concat: tokens[seq_len]. Documents are concatenated (each ends with EOS) and cut every seq_len
-  tokens; only the shard's last record is padded with PAD.
-- documents: tokens[seq_len], segment_ids[seq_len], positions[seq_len]. segment_ids number the
-  document pieces of the row 1, 2, 3... (0 on padding); positions count from 0 inside each piece and
-  restart at every document start and at the start of every row (0 on padding). A document longer
-  than what is left of a row continues in the next row, as a new piece. Only the last row is padded.
-"""
+"""Packing token streams into fixed-length int32 records (contract/records.py) and writing them as ArrayRecord shards."""
 
 from __future__ import annotations
 
@@ -18,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-PAD = -1
-DTYPE = "<i4"  # little-endian int32
-FIELDS = {"concat": ["tokens"], "documents": ["tokens", "segment_ids", "positions"]}
+from contract.records import DTYPE, FIELDS, PAD
+
 # group_size:1 puts every record in its own chunk, so a random read (Grain's globally shuffled loader
 # reads one record at a time in random order) decodes only that record, not a group of neighbours;
 # a larger group compresses better (neighbours share context) but every random read decodes the whole
@@ -31,16 +20,6 @@ FIELDS = {"concat": ["tokens"], "documents": ["tokens", "segment_ids", "position
 # 2.2 MB 86 us. Group 16 would be 45% smaller at no measurable read cost (Grain reads any group size);
 # group 1 stays for now because concat shards are kept byte-identical to the datasets made before.
 WRITER_OPTIONS = "group_size:1,zstd:3"
-
-
-def record_format(packing: str, seq_len: int) -> dict:
-    """The manifest's description of a record."""
-    return {"dtype": "int32le", "pad": PAD, "packing": packing, "fields": FIELDS[packing], "seq_len": seq_len}
-
-
-def shard_name(split: str, index: int, count: int) -> str:
-    """`train-00000-of-00004.array_record`."""
-    return f"{split}-{index:05d}-of-{count:05d}.array_record"
 
 
 class ConcatPacker:

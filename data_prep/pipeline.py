@@ -27,7 +27,8 @@ from apache_beam.options.pipeline_options import (
 
 from configs import DataConfig
 from data_prep import mixture, storage
-from data_prep.pack import PACKERS, ShardWriter, shard_name
+from contract.records import shard_name
+from data_prep.pack import PACKERS, ShardWriter
 from data_prep.sources import DEAD_LETTER, read_documents
 from data_prep.spill import SpillReader, SpillWriter
 from data_prep.tokenizer import Encoder

@@ -8,13 +8,15 @@ import itertools
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from configs import DataConfig, UserError
+from contract.manifest import mounted_url
+from contract.records import RecordFormat
 from data_prep import mixture, storage
 from data_prep import tokenizer as tokenizers_
-from data_prep.pack import record_format
 from data_prep.sources import (
     DEAD_LETTER,
     fingerprint,
@@ -24,14 +26,28 @@ from data_prep.sources import (
     resolve_sources,
 )
 
+if TYPE_CHECKING:
+    from apache_beam.options.pipeline_options import PipelineOptions
+
 __all__ = ["fingerprint", "prepare", "resolve_inputs"]
 
 STAGING = ".prep-staging"  # everything is written here first and moved into place only once it all checks out
 
 
-def prepare(cfg: DataConfig, vocab_size: int, out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
-    """Tokenize and pack cfg.input into out_dir (shards + tokenizer/); returns JSON-serialisable stats."""
+def prepare(
+    cfg: DataConfig, vocab_size: int, out_dir: str | Path, log: Callable[[str], None] = print,
+    beam_args: Sequence[str] = (),
+) -> dict:
+    """Tokenize and pack cfg.input into out_dir (shards + tokenizer/); returns JSON-serialisable stats.
+
+    `beam_args` choose where Beam runs (DirectRunner here by default), not what it writes.
+    """
+    from data_prep import pipeline  # Beam is imported only when a pipeline runs
+
     start = time.time()
+    options = pipeline.pipeline_options(list(beam_args))
+    if not pipeline.is_direct(options):  # remote workers cannot see this task's Cloud Storage mount: use gs://
+        out_dir = mounted_url(out_dir)
     remote = storage.is_url(out_dir)
     out = str(out_dir).rstrip("/") if remote else Path(out_dir)
     sources = resolve_sources(cfg.input)
@@ -52,7 +68,7 @@ def prepare(cfg: DataConfig, vocab_size: int, out_dir: str | Path, log: Callable
             info, source = _tokenizer(cfg, vocab_size, files, tok_local, log)
             if remote:
                 storage.upload_dir(tok_local, storage.join(staging, "tokenizer"))
-            counters = _run_beam(sources, cfg, staging, remote, log)
+            counters = _run_beam(sources, cfg, staging, remote, options, log)
             stats = _stats(cfg, staging, tok_local, info, source, sources, size, digest, counters)
             _check(stats, cfg, len(files), source, staging)
             storage.publish(staging, out, [s["name"] for s in stats["shards"]] + [DEAD_LETTER], ["tokenizer"])
@@ -123,11 +139,10 @@ def _bpe_sample(
 
 
 def _run_beam(
-    sources: list[tuple[Path | str, int]], cfg: DataConfig, staging: Path | str, remote: bool, log: Callable[[str], None]
+    sources: list[tuple[Path | str, int]], cfg: DataConfig, staging: Path | str, remote: bool,
+    options: PipelineOptions, log: Callable[[str], None],
 ) -> dict[str, int]:
-    from data_prep import pipeline  # Beam is imported only when a pipeline runs
-
-    options = pipeline.pipeline_options(cfg.beam_args)
+    from data_prep import pipeline
     if not pipeline.is_direct(options) and not (remote and all(storage.is_url(f) for f, _ in sources)):
         raise UserError(
             f"the {pipeline.describe(options)} runs on machines without this one's disk: give inputs and output as URLs (gs://...)"
@@ -178,7 +193,7 @@ def _stats(
         "sequences": per_split("sequences"),
         "padding_tokens": per_split("padding_tokens"),
         "seq_len": cfg.seq_len,
-        "record_format": record_format(cfg.packing, cfg.seq_len),
+        "record_format": RecordFormat(cfg.packing, cfg.seq_len).describe(),
         "shards": shards,
         "tokenizer": {
             "kind": info.kind, "source": source, "sha256": storage.sha256(tok_file), "vocab_size": info.vocab_size,

@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 
 from data_prep import storage
-from data_prep.pack import DTYPE
+from contract.records import DTYPE
 
 _ITEM = np.dtype(DTYPE).itemsize
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import fsspec
 
+from contract.records import shard_glob
+
 
 def is_url(path: str | Path) -> bool:
     return "://" in str(path)
@@ -145,7 +147,7 @@ def publish(staging: str | Path, out: str | Path, names: list[str], folders: lis
     Local: os.replace (atomic renames). URL: fsspec mv per file (on GCS a copy and a delete)."""
     if not is_url(out):
         out = Path(out)
-        for old in [*out.glob("train-*.array_record"), *out.glob("val-*.array_record")]:
+        for old in [*out.glob(shard_glob("train")), *out.glob(shard_glob("val"))]:
             old.unlink()
         for name in names:
             os.replace(Path(staging, name), out / name)
@@ -155,7 +157,7 @@ def publish(staging: str | Path, out: str | Path, names: list[str], folders: lis
         return
     fs, root = _fs(str(out))
     _, stage = _fs(str(staging))
-    for pattern in ("train-*.array_record", "val-*.array_record"):
+    for pattern in (shard_glob("train"), shard_glob("val")):
         for old in fs.glob(posixpath.join(root, pattern)):
             fs.rm_file(old)
     for name in names:

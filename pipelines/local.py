@@ -12,9 +12,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from contract import manifest as artifacts
 from components.kfp_support import ERROR_PREFIX
 from configs import Config, UserError
+from contract.manifest import require_manifest
 from pipelines.dag import build_pipeline
 from pipelines.lineage_store import LineageStore, store_path
 
@@ -74,7 +74,7 @@ def run_local(cfg: Config, verbose: bool = False, log: Log = print) -> dict[str,
             outputs = pipeline().outputs
         except RuntimeError as err:
             raise UserError(errors[-1] if errors else f"the pipeline failed: {err}") from None
-    manifests = {name: artifacts.require_manifest(art.path) for name, art in outputs.items() if name != "metrics"}
+    manifests = {name: require_manifest(art.path) for name, art in outputs.items() if name != "metrics"}
     paths = {name: art.path for name, art in outputs.items()}
     run_name = Path(paths["metrics"]).relative_to(root).parts[0]  # kfp.local's {pipeline}-{timestamp} folder
     with LineageStore(store_path(root)) as lineage:
@@ -92,7 +92,7 @@ def preflight(cfg: Config) -> None:
     if tokenizer and not Path(tokenizer).exists():
         raise UserError(f"data.tokenizer: {tokenizer} does not exist")
     if cfg.pipeline.hf_checkpoint:
-        from trainer.hf import check_hf_config, read_hf_config
+        from trainer.hf_config import check_hf_config, read_hf_config
 
         check_hf_config(read_hf_config(cfg.pipeline.hf_checkpoint), cfg.model)
 

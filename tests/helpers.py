@@ -6,6 +6,7 @@ import json
 import shutil
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 
 def small_corpus(dest: Path, limit_bytes: int = 400_000) -> Path:
@@ -44,3 +45,10 @@ def tiny_hf_llama(dest: Path, corpus: Path, mlp_dim: int = 128, seed: int = 0) -
     tok.save(str(dest / "tokenizer.json"))
     (dest / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return dest
+
+
+def prepare(cfg: Any, vocab_size: int, out: Any, **kwargs: Any) -> dict:
+    """`data_prep.prepare` with the config's own beam_args, as the prep step passes them."""
+    import data_prep
+
+    return data_prep.prepare(cfg, vocab_size, out, beam_args=cfg.beam_args, **kwargs)

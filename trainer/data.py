@@ -1,17 +1,12 @@
-"""Grain input over the prep step's ArrayRecord shards.
+"""Grain input over the prep step's ArrayRecord shards (their record format is in contract/records.py).
 
-The dataset manifest's `stats.record_format` says how a record is laid out (little-endian int32,
-pad -1). "concat" (and datasets without `fields`): `seq_len` token ids. "documents": tokens, then
-segment ids (1, 2, ... per document, 0 on padding), then positions within each document, each
-`seq_len` long. The model reads `inputs` (with `segment_ids`/`positions` in documents mode),
-predicts `targets` (the next token) and the loss counts only positions where `mask` is 1.
+The model reads `inputs` (with `segment_ids`/`positions` for documents packing), predicts `targets`
+(the next token) and the loss counts only positions where `mask` is 1.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,43 +14,24 @@ import grain
 import numpy as np
 
 from configs import UserError
-
-PAD = -1
-MANIFEST = "manifest.json"
-DOCUMENT_FIELDS = ("tokens", "segment_ids", "positions")
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordFormat:
-    """How one record is laid out: packing mode, and the sequence length if the manifest says it."""
-
-    packing: str = "concat"
-    seq_len: int = 0  # 0 = unknown: tokens per record
+from contract.manifest import read_manifest
+from contract.records import DTYPE, FIELDS, PAD, RecordFormat, parse_format, shard_glob
 
 
 def shard_paths(dataset_dir: str | Path, split: str) -> list[str]:
     """The sorted ArrayRecord shards of one split ("train" or "val")."""
-    paths = sorted(str(p) for p in Path(dataset_dir).glob(f"{split}-*.array_record"))
+    paths = sorted(str(p) for p in Path(dataset_dir).glob(shard_glob(split)))
     if not paths:
-        raise UserError(f"no {split} shards ({split}-*.array_record) in {dataset_dir}")
+        raise UserError(f"no {split} shards ({shard_glob(split)}) in {dataset_dir}")
     return paths
 
 
 def record_format(dataset_dir: str | Path) -> RecordFormat:
-    """The record layout from the dataset manifest; concat records when there is no manifest or no `fields`."""
-    manifest = Path(dataset_dir) / MANIFEST
-    if not manifest.is_file():
+    """The record format from the dataset manifest; concat records when there is no manifest."""
+    manifest = read_manifest(dataset_dir)
+    if manifest is None:
         return RecordFormat()
-    fmt = json.loads(manifest.read_text()).get("stats", {}).get("record_format", {})
-    if fmt.get("dtype", "int32le") != "int32le" or fmt.get("pad", PAD) != PAD:
-        raise UserError(f"{manifest}: unsupported record_format {fmt} (expected int32le with pad {PAD})")
-    if "fields" not in fmt:
-        return RecordFormat(seq_len=int(fmt.get("seq_len", 0)))
-    packing = fmt.get("packing", "concat")
-    expected = list(DOCUMENT_FIELDS) if packing == "documents" else ["tokens"]
-    if packing not in ("concat", "documents") or list(fmt["fields"]) != expected:
-        raise UserError(f"{manifest}: unsupported record_format packing {packing!r} with fields {fmt['fields']}")
-    return RecordFormat(packing, int(fmt.get("seq_len", 0)))
+    return parse_format(manifest.get("stats", {}).get("record_format", {}), f"{dataset_dir} (manifest)")
 
 
 def format_of(paths: list[str]) -> RecordFormat:
@@ -65,7 +41,7 @@ def format_of(paths: list[str]) -> RecordFormat:
 
 def sequence_length(paths: list[str], fmt: RecordFormat) -> int:
     """Tokens per sequence, from the first record; a record that does not match the manifest is an error."""
-    fields = len(DOCUMENT_FIELDS) if fmt.packing == "documents" else 1
+    fields = len(fmt.fields)
     source = grain.sources.ArrayRecordDataSource(paths)  # indexes across shards: an empty first shard is fine
     if not len(source):
         raise UserError(f"the split of {paths[0]} holds no sequences in {len(paths)} shard(s)")
@@ -84,9 +60,9 @@ def to_example(record: bytes, packing: str = "concat") -> dict[str, np.ndarray]:
     A target is kept only where it is a real token of the same document: pads, the row's last position and
     (documents mode) each document's last token, whose "next token" starts another document, are masked.
     """
-    values = np.frombuffer(record, dtype="<i4")
+    values = np.frombuffer(record, dtype=DTYPE)
     if packing == "documents":
-        tokens, segments, positions = values.reshape(len(DOCUMENT_FIELDS), -1)
+        tokens, segments, positions = values.reshape(len(FIELDS[packing]), -1)
     else:
         tokens = values
     valid = tokens != PAD

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from configs import UserError
-from data_prep import prepare
+from tests.helpers import prepare
 from data_prep.sources import read_documents
 from tests.data_prep.test_prep import (
     assert_nothing_written,

@@ -12,7 +12,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from configs import ConfigError, load_config
-from data_prep import mixture, prepare
+from data_prep import mixture
+from tests.helpers import prepare
 from data_prep.sources import read_documents
 from tests.data_prep.test_prep import check_lossless, documents, make_cfg, write_corpus
 

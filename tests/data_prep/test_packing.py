@@ -7,7 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from data_prep import PAD, prepare, read_shard
+from contract.records import PAD
+from data_prep import read_shard
+from tests.helpers import prepare
 from data_prep.pack import pack
 from tests.data_prep.test_prep import make_cfg, write_corpus
 

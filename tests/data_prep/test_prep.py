@@ -12,7 +12,9 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from configs import DataConfig, UserError
-from data_prep import PAD, prepare, read_shard
+from contract.records import PAD
+from data_prep import read_shard
+from tests.helpers import prepare
 
 FAST = ["--direct_running_mode=in_memory", "--direct_num_workers=1"]
 WORDS = "def class return import for while if else lambda yield self None True 0 1 42 é 中文 🙂 ( ) : , = + \n \n    ".split(" ")

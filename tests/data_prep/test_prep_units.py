@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from configs import UserError
-from data_prep import PAD, fingerprint, resolve_inputs
-from data_prep.pack import pack, read_shard, shard_name, write_shard
+from contract.records import PAD, shard_name
+from data_prep import fingerprint, resolve_inputs
+from data_prep.pack import pack, read_shard, write_shard
 from data_prep.sources import read_documents
 
 

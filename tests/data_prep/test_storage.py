@@ -11,7 +11,8 @@ import fsspec
 import pytest
 
 from configs import UserError
-from data_prep import prepare, read_shard, resolve_inputs, storage
+from data_prep import read_shard, resolve_inputs, storage
+from tests.helpers import prepare
 from data_prep.sources import read_documents, relative_names
 from tests.data_prep.test_prep import make_cfg, write_corpus
 
