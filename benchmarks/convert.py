@@ -46,33 +46,31 @@ def _config(emb: int, layers: int, dtype: str):
 
 def write_checkpoint(path: Path, emb: int, layers: int, dtype: str, shards: int = 4) -> int:
     """A random HF Llama checkpoint in `shards` safetensors files with an index; returns its data bytes."""
-    from trainer.hf import (
-        _hf_config,
-        _hf_names,
-        _layout,
-        _write_json,
-        _write_safetensors,
-    )
+    from trainer.hf_config import hf_config_from_model
+    from trainer.hf_tensors import hf_names, tensor_specs
+    from trainer.safetensors_io import write_safetensors
 
     cfg = _config(emb, layers, dtype)
     rng = np.random.default_rng(0)
-    entries = [(name, spec.hf_shape) for spec in _layout(cfg) for name in _hf_names(spec, cfg)]
+    entries = [(name, spec.hf_shape) for spec in tensor_specs(cfg) for name in hf_names(spec, cfg)]
     path.mkdir(parents=True)
     total, weight_map = 0, {}
     for k in range(shards):
         part = entries[k::shards]
         fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         fetch = lambda shape: lambda: rng.standard_normal(shape, np.float32)  # noqa: E731
-        total += _write_safetensors(path / fname, [(n, s, fetch(s)) for n, s in part], np.dtype(dtype))
+        total += write_safetensors(path / fname, [(n, s, fetch(s)) for n, s in part], np.dtype(dtype))
         weight_map.update({n: fname for n, _ in part})
-    _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(path / "config.json", _hf_config(cfg, None, 0))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (path / "config.json").write_text(json.dumps(hf_config_from_model(cfg, None, 0)))
     return total
 
 
 def child(hf_dir: str, out_dir: str, what: str) -> None:
     """Run in a fresh process: convert and print timing and RSS (KiB) as JSON."""
-    from trainer.hf import ingest, load_hf_params, model_config_from_hf, read_hf_config
+    from trainer.hf_config import model_config_from_hf, read_hf_config
+    from trainer.ingest import ingest, load_hf_params
 
     cfg = model_config_from_hf(read_hf_config(hf_dir))
     cfg = cfg.model_copy(update={"param_dtype": json.loads(Path(hf_dir, "config.json").read_text())["dtype"]})

@@ -45,7 +45,8 @@ def write_run(run: Path, emb: int, layers: int) -> int:
     import jax
     import orbax.checkpoint as ocp
 
-    from trainer.checkpoint import CHECKPOINTS_DIR, abstract_params
+    from trainer.checkpoint import CHECKPOINTS_DIR
+    from trainer.param_reader import abstract_params
 
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32), abstract_params(_config(emb, layers)))
@@ -62,7 +63,8 @@ def child(run: str, out: str, how: str, emb: int, layers: int) -> None:
     import jax
     import orbax.checkpoint as ocp
 
-    from trainer import checkpoint, hf, layout
+    from trainer import checkpoint, param_reader, param_writer, scan_layers
+    from trainer.export import export_hf
 
     cfg = _config(emb, layers)
     jax.device_put(np.zeros(1)).block_until_ready()
@@ -70,15 +72,15 @@ def child(run: str, out: str, how: str, emb: int, layers: int) -> None:
     start = time.perf_counter()
     quiet = {"log": lambda _: None}
     if how == "streamed":
-        _, stored = checkpoint.latest_stored_params(run, checkpoint.abstract_params(cfg))
-        copies = checkpoint.lazy_copies(stored, "bfloat16")
-        checkpoint.save_lazy_params(out, copies)
-        hf.export_hf(stored, cfg, None, Path(out) / "hf", dtype="bfloat16", **quiet)
+        _, stored = checkpoint.latest_stored_params(run, param_reader.abstract_params(cfg))
+        copies = param_writer.lazy_copies(stored, "bfloat16")
+        param_writer.save_lazy_params(out, copies)
+        export_hf(stored, cfg, None, Path(out) / "hf", dtype="bfloat16", **quiet)
     else:
         with ocp.StandardCheckpointer() as ckptr:
             params = ckptr.restore(Path(run).absolute() / checkpoint.CHECKPOINTS_DIR / "1" / "params")
-        checkpoint.save_params(out, layout.cast(params, "bfloat16"))
-        hf.export_hf(params, cfg, None, Path(out) / "hf", dtype="bfloat16", **quiet)
+        param_writer.save_params(out, scan_layers.cast(params, "bfloat16"))
+        export_hf(params, cfg, None, Path(out) / "hf", dtype="bfloat16", **quiet)
     seconds = time.perf_counter() - start
     print(json.dumps({"seconds": seconds, "baseline_kib": base, "peak_kib": _rss_kib("VmHWM")}))
 

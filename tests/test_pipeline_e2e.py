@@ -79,7 +79,7 @@ def test_exported_hf_model_matches_ours(pipeline_run):
     tokenizer = transformers.AutoTokenizer.from_pretrained(export / "hf")
     ids = tokenizer("def main(argv):\n    return sorted(argv)\n" * 8)["input_ids"][:cfg.data.seq_len]
 
-    from trainer.checkpoint import abstract_params, load_params
+    from trainer.param_reader import abstract_params, load_params
 
     params = load_params(export, abstract_params(cfg.model))
     ours = np.asarray(Transformer(cfg.model).apply({"params": params}, jnp.asarray([ids], jnp.int32)))

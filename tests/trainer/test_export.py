@@ -1,4 +1,4 @@
-"""Export options: HF safetensors in shards with an index, bfloat16 weights, the unscanned Orbax layout."""
+"""Export options: HF safetensors in shards with an index, bfloat16 weights, unscanned Orbax params."""
 
 import json
 from pathlib import Path
@@ -9,8 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from trainer import checkpoint, layout
-from trainer.hf import export_hf, load_hf_params, model_config_from_hf, read_hf_config
+from trainer import param_reader, param_writer, scan_layers
+from trainer.export import export_hf
+from trainer.hf_config import model_config_from_hf, read_hf_config
+from trainer.ingest import load_hf_params
 
 TOKENS = np.random.default_rng(0).integers(0, 512, (1, 300))
 
@@ -57,17 +59,18 @@ def test_bfloat16_export(hf_dir: Path, tmp_path: Path) -> None:
     assert np.abs(ours - reference).max() < 0.05 * np.abs(reference).max()
 
 
-def test_unscanned_layout_round_trips_exactly(hf_dir: Path, tmp_path: Path) -> None:
+def test_unscanned_params_round_trip_exactly(hf_dir: Path, tmp_path: Path) -> None:
     cfg = model_config_from_hf(read_hf_config(hf_dir))
     params = load_hf_params(hf_dir, cfg)
-    flat = layout.unscan(params)
+    flat = scan_layers.unscan(params)
     assert "layers" not in flat and sorted(k for k in flat if k.startswith("layers_")) == ["layers_0", "layers_1", "layers_2"]
-    np.testing.assert_array_equal(flat["layers_1"]["mlp"]["up_proj"]["kernel"], params["layers"]["mlp"]["up_proj"]["kernel"][1])
-    checkpoint.save_params(tmp_path, flat)
-    back = layout.rescan(checkpoint.load_params(tmp_path))
+    up = params["layers"]["mlp"]["up_proj"]["kernel"]
+    np.testing.assert_array_equal(flat["layers_1"]["mlp"]["up_proj"]["kernel"], up[1])
+    param_writer.save_params(tmp_path, flat)
+    back = scan_layers.rescan(param_reader.load_params(tmp_path))
     jax.tree.map(np.testing.assert_array_equal, back, params)
-    assert layout.rescan(params) is params
-    halves = layout.cast(params, "bfloat16")
+    assert scan_layers.rescan(params) is params
+    halves = scan_layers.cast(params, "bfloat16")
     assert {x.dtype.name for x in jax.tree.leaves(halves)} == {"bfloat16"}
 
 
@@ -92,8 +95,8 @@ def test_eval_and_training_read_an_unscanned_bfloat16_export(tmp_path: Path) -> 
     from safetensors.numpy import load_file
 
     with ocp.StandardCheckpointer() as ckptr:
-        trained = layout.cast(ckptr.restore(tmp_path / "train" / "checkpoints" / "4" / "params"), "bfloat16")
-    exported = checkpoint.load_params(tmp_path / "export", checkpoint.abstract_params(cfg.model.model_copy(
+        trained = scan_layers.cast(ckptr.restore(tmp_path / "train" / "checkpoints" / "4" / "params"), "bfloat16")
+    exported = param_reader.load_params(tmp_path / "export", param_reader.abstract_params(cfg.model.model_copy(
         update={"param_dtype": "bfloat16"})))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), exported, trained)
     weights = {}
@@ -122,10 +125,10 @@ def test_lazy_copies_read_each_array_once_also_unscanned(tmp_path: Path, part_by
     rng = np.random.default_rng(0)
     tree = {"layers": {"w": rng.standard_normal((3, 4, 5), np.float32), "b": rng.standard_normal((3, 5), np.float32)},
             "embed": rng.standard_normal((7, 4), np.float32)}
-    copies = checkpoint.lazy_copies(jax.tree.map(Counted, tree), "bfloat16", unscanned=True, part_bytes=part_bytes)
-    parts = {p.parts for p in jax.tree.leaves(copies, is_leaf=lambda x: isinstance(x, checkpoint.LazyParam))}
+    copies = param_writer.lazy_copies(jax.tree.map(Counted, tree), "bfloat16", unscanned=True, part_bytes=part_bytes)
+    parts = {p.parts for p in jax.tree.leaves(copies, is_leaf=lambda x: isinstance(x, param_writer.LazyParam))}
     assert parts == ({1} if part_bytes > 1000 else {1, 2, 7})  # a layer's [4, 5] in 2, the embedding by row
-    checkpoint.save_lazy_params(tmp_path, copies)
+    param_writer.save_lazy_params(tmp_path, copies)
     assert sorted(reads) == sorted([(3, 4, 5), (3, 5), (7, 4)])  # once per array, not once per layer or part
-    expected = layout.cast(layout.unscan(tree), "bfloat16")
-    jax.tree.map(np.testing.assert_array_equal, checkpoint.load_params(tmp_path), expected)
+    expected = scan_layers.cast(scan_layers.unscan(tree), "bfloat16")
+    jax.tree.map(np.testing.assert_array_equal, param_reader.load_params(tmp_path), expected)

@@ -20,18 +20,13 @@ from transformers import AutoModelForCausalLM
 
 from configs import UserError, load_config
 from tests.trainer.hf_models import FAMILIES, VOCAB, tiny_model
-from trainer.checkpoint import abstract_params, load_params
 from trainer.decode import generate_batch
 from trainer.evaluate import token_loss
-from trainer.hf import (
-    check_hf_config,
-    export_hf,
-    ingest,
-    load_hf_params,
-    model_config_from_hf,
-    read_hf_config,
-)
+from trainer.export import export_hf
+from trainer.hf_config import check_hf_config, hf_config_from_model, model_config_from_hf, read_hf_config
+from trainer.ingest import ingest, load_hf_params
 from trainer.model import Transformer
+from trainer.param_reader import abstract_params, load_params
 
 REL_TOL = 2e-5
 PROMPT_LEN = 300
@@ -134,11 +129,10 @@ PUBLISHED = {
 def test_named_configs_build_the_same_model_in_transformers(name, tmp_path):
     from transformers import AutoConfig
 
-    from trainer.hf import _hf_config
     from trainer.model import param_count
 
     cfg = load_config("tiny", [f"model.name={name}"]).model
-    hf = json.loads(json.dumps(_hf_config(cfg, None, None)))
+    hf = json.loads(json.dumps(hf_config_from_model(cfg, None, None)))
     check_hf_config(hf, cfg)  # the exported config.json reads back as this model
     with torch.device("meta"):  # shapes only
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))

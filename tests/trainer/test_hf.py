@@ -14,17 +14,19 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from configs import UserError
-from trainer.checkpoint import abstract_params, check_shapes, load_params
-from trainer.hf import check_hf_config, export_hf, ingest, load_hf_params, model_config_from_hf, read_hf_config
+from trainer.export import export_hf
+from trainer.hf_config import check_hf_config, model_config_from_hf, read_hf_config
+from trainer.ingest import ingest, load_hf_params
 from trainer.model import Transformer
+from trainer.param_reader import abstract_params, check_shapes, load_params
 from trainer.tokenizer import load_tokenizer
 
 # Max |ours - HF| relative to max |HF logit|, measured on 300-token prompts: 1.0e-6 (ingest, logits
 # up to 5.3, diff 5.1e-6), 7.4e-7 (tied, logits up to 45, diff 3.3e-5), 2.9e-7 (export of a random
 # init). Both sides are float32 with different matmul and softmax orders, so rounding grows with the
-# logits' size; a conversion bug (RoPE layout, a norm not copied, a transposed kernel) is O(1) relative.
+# logits' size; a conversion bug (RoPE pairing, a norm not copied, a transposed kernel) is O(1) relative.
 REL_TOL = 2e-5
-PROMPT_LEN = 300  # long enough that a RoPE layout bug cannot hide
+PROMPT_LEN = 300  # long enough that a RoPE pairing bug cannot hide
 
 
 def _hf_model(tie: bool = False, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:

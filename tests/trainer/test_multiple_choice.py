@@ -10,7 +10,8 @@ import torch
 
 from configs import UserError
 from tests.trainer.hf_models import tiny_model
-from trainer.hf import load_hf_params, model_config_from_hf, read_hf_config
+from trainer.hf_config import model_config_from_hf, read_hf_config
+from trainer.ingest import load_hf_params
 from trainer.multiple_choice import continuation_logprobs, load_task, score_task
 from trainer.tokenizer import load_tokenizer
 

@@ -1,4 +1,4 @@
-"""Parameter layouts and dtypes of exports: the trainer's scanned tree and the per-layer (unscanned) one.
+"""The trainer's scanned param tree <-> the per-layer (unscanned) one, and the float cast of exports.
 
 The trainer keeps each block's parameters stacked on a leading axis under `layers` (one `nn.scan`);
 tools that walk layers one by one (and MaxText's unscanned checkpoints) want `layers_0`,

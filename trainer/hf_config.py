@@ -1,0 +1,291 @@
+"""HF config.json <-> ModelConfig for Llama, Mistral, Qwen3 and Gemma 1/2/3: reading, checking and writing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from configs import ModelConfig, UserError
+from trainer.model import layer_is_global
+from trainer.safetensors_io import CheckpointDir
+
+# model.family -> (HF architecture, HF model_type)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma": ("GemmaForCausalLM", "gemma"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+_PLAIN = dict(
+    activation="silu", norm_plus_one=False, scale_embeddings=False, qk_norm=False, post_norms=False,
+    query_pre_attn_scalar=0.0, attn_softcap=0.0, final_softcap=0.0, sliding_window=0, global_every=0,
+    rope_local_theta=0.0,
+)
+_GEMMA = dict(_PLAIN, activation="gelu_tanh", norm_plus_one=True, scale_embeddings=True)
+# The model features each family fixes; the ones left out are read from (and written to) config.json.
+_FIXED: dict[str, dict[str, Any]] = {
+    "llama": _PLAIN,
+    "mistral": {k: v for k, v in _PLAIN.items() if k != "sliding_window"},
+    "qwen3": dict(_PLAIN, qk_norm=True),
+    "gemma": _GEMMA,
+    "gemma2": {k: v for k, v in dict(_GEMMA, post_norms=True).items()
+               if k not in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "sliding_window", "global_every")},
+    "gemma3": {k: v for k, v in dict(_GEMMA, post_norms=True, qk_norm=True).items()
+               if k not in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "sliding_window", "global_every",
+                            "rope_local_theta")},
+}
+# ModelConfig field -> the HF config.json key it comes from (for error messages).
+_HF_KEYS = {
+    "family": "model_type",
+    "vocab_size": "vocab_size",
+    "emb_dim": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "mlp_dim": "intermediate_size",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+    "sliding_window": "sliding_window",
+    "query_pre_attn_scalar": "query_pre_attn_scalar",
+    "attn_softcap": "attn_logit_softcapping",
+    "final_softcap": "final_logit_softcapping",
+}
+# Fields that do not change what the weights compute, so a checkpoint need not match them.
+_FREE_FIELDS = ("name", "max_seq_len", "init_std", "dtype", "param_dtype", "attention")
+_ROPE_DEFAULTS = dict(rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                      rope_original_max_len=8192)
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    """The checkpoint's config.json as a dict; `hf_dir` is a directory or any fsspec URL (gs://...)."""
+    src = CheckpointDir(hf_dir)
+    if not src.isfile("config.json"):
+        raise UserError(f"no HF config at {src.show('config.json')}: expected a directory written by save_pretrained")
+    hf = src.read_json("config.json")
+    if not isinstance(hf, dict):
+        raise UserError(f"{src.show('config.json')}: expected a JSON object")
+    return hf
+
+
+def hf_family(hf: dict) -> str:
+    """Our model.family for a HF config.json, from its model_type and architectures."""
+    model_type = hf.get("model_type", "llama")
+    family = next((f for f, (_, mt) in FAMILIES.items() if mt == model_type), None)
+    archs = hf.get("architectures") or []
+    if family is None or any(a != FAMILIES[family][0] for a in archs):
+        what = ", ".join(archs) or f"model_type {model_type!r}"
+        known = ", ".join(arch for arch, _ in FAMILIES.values())
+        raise UserError(f"HF checkpoint is {what}; maxpipe converts {known}")
+    return family
+
+
+def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
+    """Our ModelConfig for a HF config.json of a supported family (float32 compute and weights)."""
+    family = hf_family(hf)
+    _check_supported(hf, family)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in hf:
+            raise UserError(f"HF config lacks {key!r}")
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    sliding_window, global_every = _layer_pattern(hf, family)
+    gemma = family.startswith("gemma")
+    features = dict(
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
+        attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        sliding_window=sliding_window,
+        global_every=global_every,
+        rope_local_theta=0.0,
+    ) | _FIXED[family] | _rope_fields(hf, family)
+    try:
+        return ModelConfig(
+            name=name,
+            family=family,
+            vocab_size=hf["vocab_size"],
+            emb_dim=hidden,
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            mlp_dim=hf["intermediate_size"],
+            # Defaults below are HF's own, for keys a config.json leaves out.
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_embeddings=hf.get("tie_word_embeddings", gemma or family == "qwen3"),
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            init_std=hf.get("initializer_range", 0.02),
+            dtype="float32",
+            param_dtype="float32",
+            attention="auto",
+            **features,
+        )
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = f"model.{first['loc'][0]}: " if first["loc"] else ""
+        msg = first["msg"].removeprefix("Value error, ")
+        raise UserError(f"HF config gives an invalid model config: {where}{msg}") from None
+
+
+def check_hf_config(hf: dict, cfg: ModelConfig) -> None:
+    """Raise a UserError naming the first model field where `cfg` and the HF config differ."""
+    theirs = model_config_from_hf(hf, cfg.name)
+    for field in ModelConfig.model_fields:
+        if field in _FREE_FIELDS:
+            continue
+        a, b = getattr(cfg, field), getattr(theirs, field)
+        same = math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) else a == b
+        if not same:
+            where = f"the checkpoint's {_HF_KEYS[field]}" if field in _HF_KEYS else "the checkpoint"
+            raise UserError(f"HF checkpoint does not fit the model config: model.{field} is {a!r} but {where} gives {b!r}")
+
+
+def _check_supported(hf: dict, family: str) -> None:
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if family.startswith("gemma") else "silu")
+    ok = ("gelu_pytorch_tanh", "gelu_tanh", "gelu") if family.startswith("gemma") else ("silu", "swish")
+    if act not in ok:  # Gemma 1 configs say "gelu" and mean the tanh approximation, as transformers does
+        raise UserError(f"HF config uses activation {act!r}; maxpipe's {family} MLP is {_FIXED[family]['activation']}")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise UserError(f"HF config sets {key}: true; maxpipe's projections have no bias")
+    if family == "qwen3" and hf.get("use_sliding_window"):
+        raise UserError("HF Qwen3 config sets use_sliding_window: true; maxpipe supports Qwen3 with full attention only")
+    if hf.get("use_bidirectional_attention"):
+        raise UserError("HF config sets use_bidirectional_attention; maxpipe's decoder is causal")
+
+
+def _layer_pattern(hf: dict, family: str) -> tuple[int, int]:
+    """(sliding_window, global_every) from a config's sliding_window and layer types."""
+    window = hf.get("sliding_window") or 0
+    if family not in ("mistral", "gemma2", "gemma3") or not window:
+        return 0, 0
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        every = {"mistral": 0, "gemma2": 2}.get(family, hf.get("sliding_window_pattern", 6))
+        types = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    is_global = [t == "full_attention" for t in types]
+    if all(is_global):
+        return 0, 0
+    every = is_global.index(True) + 1 if any(is_global) else 0
+    if is_global != [bool(every) and (i + 1) % every == 0 for i in range(n)] or len(types) != n:
+        raise UserError(f"HF config has layer_types {types}; maxpipe supports every Nth layer global, the rest sliding")
+    return window, every
+
+
+def _rope_fields(hf: dict, family: str) -> dict:
+    """RoPE base, scaling and (Gemma 3) local base from rope_parameters (transformers 5) or rope_theta/rope_scaling."""
+    params = hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise UserError(f"HF config has rope_parameters {params!r}; expected a JSON object")
+    fields: dict[str, Any] = {}
+    if family == "gemma3":
+        glob = params.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1e6), **(hf.get("rope_scaling") or {})}
+        local = params.get("sliding_attention") or {"rope_theta": hf.get("rope_local_base_freq", 1e4)}
+        if local.get("rope_type", "default") != "default":
+            raise UserError(f"HF config scales local RoPE ({local}); maxpipe supports plain RoPE on local layers")
+        fields["rope_local_theta"] = float(local.get("rope_theta", 1e4))
+    else:
+        if any(isinstance(v, dict) for v in params.values()):
+            raise UserError(f"HF config has per-layer rope_parameters {params}; maxpipe supports one RoPE for {family}")
+        glob = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}), **params}
+    rope_type = glob.get("rope_type", glob.get("type", "default"))
+    rotary = glob.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if rotary != 1.0:
+        raise UserError(f"HF config sets partial_rotary_factor {rotary}; maxpipe rotates the whole head")
+    fields["rope_theta"] = float(glob.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        return fields | _ROPE_DEFAULTS
+    if rope_type == "linear":
+        return fields | _ROPE_DEFAULTS | {"rope_scaling": "linear", "rope_factor": float(glob["factor"])}
+    if rope_type == "llama3":
+        return fields | {
+            "rope_scaling": "llama3", "rope_factor": float(glob["factor"]),
+            "rope_low_freq_factor": float(glob["low_freq_factor"]),
+            "rope_high_freq_factor": float(glob["high_freq_factor"]),
+            "rope_original_max_len": int(glob["original_max_position_embeddings"]),
+        }
+    raise UserError(f"HF config uses RoPE type {rope_type!r} ({glob}); maxpipe supports default, linear and llama3")
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raise a UserError when the model has a feature its model.family has no place for in HF."""
+    for field, value in _FIXED[cfg.family].items():
+        if getattr(cfg, field) != value:
+            raise UserError(
+                f"model.family {cfg.family} fixes model.{field} to {value!r} (the config has {getattr(cfg, field)!r}); "
+                f"pick the family whose HF architecture has this feature"
+            )
+
+
+def hf_config_from_model(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> dict:
+    """The config.json of a HF model of model.family's architecture for `cfg`, with the tokenizer's BOS and EOS ids."""
+    arch, model_type = FAMILIES[cfg.family]
+    config: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.emb_dim,
+        "intermediate_size": cfg.mlp_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu" if cfg.activation == "silu" else "gelu_pytorch_tanh",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": cfg.init_std,
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        # transformers 5 reads dtype, 4.x reads torch_dtype.
+        "dtype": cfg.param_dtype,
+        "torch_dtype": cfg.param_dtype,
+    }
+    # transformers 5 reads rope_parameters, 4.x reads rope_theta and rope_scaling.
+    rope = _hf_rope(cfg)
+    config["rope_theta"] = cfg.rope_theta
+    if rope["rope_type"] != "default":
+        config["rope_scaling"] = rope
+    config["rope_parameters"] = rope
+    if cfg.family == "gemma3":
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+        config["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+        config["rope_local_base_freq"] = local["rope_theta"]
+    if cfg.family in ("gemma2", "gemma3"):
+        config["hidden_activation"] = config["hidden_act"]
+        scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+        config["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar  # HF checks the type
+        config["attn_logit_softcapping"] = cfg.attn_softcap or None
+        config["final_logit_softcapping"] = cfg.final_softcap or None
+    if cfg.family in ("mistral", "gemma2", "gemma3"):
+        config["sliding_window"] = cfg.sliding_window or None
+    if cfg.family in ("gemma2", "gemma3"):
+        # HF needs a window even with every layer global; it is then unused.
+        config["sliding_window"] = cfg.sliding_window or cfg.max_seq_len
+        config["layer_types"] = ["full_attention" if g else "sliding_attention" for g in layer_is_global(cfg)]
+    if cfg.family == "qwen3":
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    return config
+
+
+def _hf_rope(cfg: ModelConfig) -> dict:
+    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
+                            "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling != "none":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_len)
+    return rope
+

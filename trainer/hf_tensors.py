@@ -1,0 +1,101 @@
+"""Where each parameter lives in a HF checkpoint: per-family tensor names, shapes and conversions.
+
+HF stores torch Linear weights as [out, in]; ours are [in, out] with the head axis split out
+(see `trainer/model.py`). Both sides pair RoPE dimensions by halves (rotate_half), so q/k need no permutation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from configs import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter: where it lives in our tree and in the HF checkpoint, and how to convert it."""
+
+    path: tuple[str, ...]  # our param path; under "layers" it is stacked over a leading layer axis
+    hf_name: str  # "{i}" stands for the layer index
+    hf_shape: tuple[int, ...]
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+    @property
+    def stacked(self) -> bool:
+        return self.path[0] == "layers"
+
+
+def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every parameter of the model, in the order the HF export writes them."""
+    d, v, m, hd = cfg.emb_dim, cfg.vocab_size, cfg.mlp_dim, cfg.head_dim
+    same = lambda w: w  # noqa: E731
+    t = lambda w: w.T  # noqa: E731
+
+    def heads_in(n: int) -> tuple[Callable, Callable]:  # [n*hd, d] <-> [d, n, hd]
+        return lambda w: w.T.reshape(d, n, hd), lambda k: k.reshape(d, n * hd).T
+
+    heads_out = (  # [d, h*hd] <-> [h, hd, d]
+        lambda w: w.T.reshape(cfg.num_heads, hd, d),
+        lambda k: k.reshape(cfg.num_heads * hd, d).T,
+    )
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layer = "model.layers.{i}."
+    specs = [
+        TensorSpec(("embed", "embedding"), "model.embed_tokens.weight", (v, d), same, same),
+        TensorSpec(("layers", "attn_norm", "scale"), layer + "input_layernorm.weight", (d,), same, same),
+        TensorSpec(("layers", "attn", "q_proj", "kernel"), layer + "self_attn.q_proj.weight", (q, d),
+                *heads_in(cfg.num_heads)),
+        TensorSpec(("layers", "attn", "k_proj", "kernel"), layer + "self_attn.k_proj.weight", (kv, d),
+                *heads_in(cfg.num_kv_heads)),
+        TensorSpec(("layers", "attn", "v_proj", "kernel"), layer + "self_attn.v_proj.weight", (kv, d),
+                *heads_in(cfg.num_kv_heads)),
+        TensorSpec(("layers", "attn", "o_proj", "kernel"), layer + "self_attn.o_proj.weight", (d, q), *heads_out),
+    ]
+    if cfg.qk_norm:
+        specs += [
+            TensorSpec(("layers", "attn", "q_norm", "scale"), layer + "self_attn.q_norm.weight", (hd,), same, same),
+            TensorSpec(("layers", "attn", "k_norm", "scale"), layer + "self_attn.k_norm.weight", (hd,), same, same),
+        ]
+    if cfg.post_norms:  # Gemma 2/3 name the norm after attention post_attention_layernorm, unlike Llama
+        specs += [
+            TensorSpec(("layers", "attn_post_norm", "scale"), layer + "post_attention_layernorm.weight", (d,), same, same),
+            TensorSpec(("layers", "mlp_norm", "scale"), layer + "pre_feedforward_layernorm.weight", (d,), same, same),
+            TensorSpec(("layers", "mlp_post_norm", "scale"), layer + "post_feedforward_layernorm.weight", (d,), same, same),
+        ]
+    else:
+        specs.append(TensorSpec(("layers", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", (d,), same, same))
+    specs += [
+        TensorSpec(("layers", "mlp", "gate_proj", "kernel"), layer + "mlp.gate_proj.weight", (m, d), t, t),
+        TensorSpec(("layers", "mlp", "up_proj", "kernel"), layer + "mlp.up_proj.weight", (m, d), t, t),
+        TensorSpec(("layers", "mlp", "down_proj", "kernel"), layer + "mlp.down_proj.weight", (d, m), t, t),
+        TensorSpec(("final_norm", "scale"), "model.norm.weight", (d,), same, same),
+    ]
+    if not cfg.tie_embeddings:
+        specs.append(TensorSpec(("lm_head", "kernel"), "lm_head.weight", (v, d), t, t))
+    return specs
+
+
+
+def is_transposed(spec: TensorSpec) -> bool:
+    """Whether to_ours is w.T reshaped (else it is w reshaped: the same bytes in the same order)."""
+    probe = np.empty(spec.hf_shape, np.uint8)
+    return len(spec.hf_shape) == 2 and not spec.to_ours(probe).flags.c_contiguous
+
+
+def _ours_shape(spec: TensorSpec) -> tuple[int, ...]:
+    return spec.to_ours(np.empty(spec.hf_shape, np.uint8)).shape
+
+
+def stacked_shape(spec: TensorSpec, cfg: ModelConfig) -> tuple[int, ...]:
+    """Our parameter's shape: with a leading layer axis when scanned."""
+    return (cfg.num_layers, *_ours_shape(spec)) if spec.stacked else _ours_shape(spec)
+
+
+def hf_names(spec: TensorSpec, cfg: ModelConfig) -> list[str]:
+    """The tensor's names in the HF checkpoint: one per layer when stacked."""
+    return [spec.hf_name.format(i=i) for i in range(cfg.num_layers)] if spec.stacked else [spec.hf_name]
+

@@ -1,0 +1,196 @@
+"""HF checkpoint -> our param-only Orbax checkpoint (ingest), or -> an in-memory param tree (load_hf_params).
+
+Each tensor is read through fsspec (the source may be any URL) straight into its slot of the stacked
+output, or through a small block buffer when it is transposed or cast; ingest converts a layer (or a
+block of vocabulary rows) at a time, two at once, and writes each as soon as it is converted, so it
+holds four such parts at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from configs import ModelConfig, UserError
+from trainer.hf_config import check_hf_config, read_hf_config
+from trainer.hf_tensors import TensorSpec, hf_names, is_transposed, stacked_shape, tensor_specs
+from trainer.param_writer import LazyParam, save_lazy_params, split
+from trainer.safetensors_io import CheckpointDir, as_bits, open_checkpoint
+
+Log = Callable[[str], None]
+
+_SUMMARY_KEYS = (  # the HF config.json keys ingest reports
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+    "rope_theta", "rope_parameters", "rope_scaling", "sliding_window", "layer_types", "tie_word_embeddings",
+    "bos_token_id", "eos_token_id", "dtype", "torch_dtype", "transformers_version",
+)
+_BLOCK_BYTES = 8 << 20  # how much of a tensor is read at once when it must be converted on the way
+_SPLIT_BYTES = 1 << 20  # a stacked parameter whose layers are this big is converted and written layer by layer
+
+
+def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool = False) -> dict:
+    """Read a HF safetensors checkpoint into our (scanned, numpy, cfg.param_dtype) param tree."""
+    params: dict = {}
+    for spec, value in _converted_params(hf_dir, cfg, allow_pickle):
+        _put(params, spec.path, value)
+    return params
+
+
+def _converted_params(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Iterator[tuple[TensorSpec, np.ndarray]]:
+    """Each parameter in turn, converted (stacked over layers where scanned); checks names and shapes."""
+    fill = _converter(hf_dir, cfg, allow_pickle)
+    for spec in tensor_specs(cfg):
+        value = np.empty(stacked_shape(spec, cfg), np.dtype(cfg.param_dtype))
+        fill(spec, value)
+        yield spec, value
+
+
+def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Callable[..., None]:
+    """Check the checkpoint's tensor names and shapes; return fill(spec, out, k=0, parts=1), converting one parameter."""
+    files = open_checkpoint(CheckpointDir(hf_dir), allow_pickle)
+    dtype = np.dtype(cfg.param_dtype)
+    expected = {name for spec in tensor_specs(cfg) for name in hf_names(spec, cfg)}
+    if cfg.tie_embeddings:
+        expected.add("lm_head.weight")  # HF ignores it too when the embeddings are tied
+    extra = sorted(n for n in files if n not in expected and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise UserError(
+            f"HF checkpoint does not fit the model config: it has tensor {extra[0]} "
+            f"(and {len(extra) - 1} more) that the model has no place for"
+        )
+    # Every name and shape is checked here, before anything is written.
+    for spec in tensor_specs(cfg):
+        for name in hf_names(spec, cfg):
+            if name not in files:
+                raise UserError(f"HF checkpoint lacks tensor {name} (the model expects {spec.hf_shape})")
+            shape = tuple(files[name].tensors[name]["shape"])
+            if shape != spec.hf_shape:
+                raise UserError(
+                    f"HF checkpoint does not fit the model config: parameter {name} is {shape} "
+                    f"in the checkpoint but {spec.hf_shape} in the model"
+                )
+    local = threading.local()  # a read buffer per thread: parts are converted in parallel
+
+    def copy(spec: TensorSpec, name: str, out: np.ndarray, first: int = 0, count: int | None = None) -> None:
+        """out[...] = to_ours(rows first.. first+count of the tensor, default all), reading them once."""
+        file, transpose = files[name], is_transposed(spec)
+        src_dtype = file.dtype(name)
+        count = (spec.hf_shape[0] if spec.hf_shape else 1) - first if count is None else count
+        width = math.prod(spec.hf_shape[1:])  # elements in one row of the tensor
+        rows_out = out.reshape((width, count) if transpose else (count, width))
+        if src_dtype == dtype and not transpose:
+            file.read_into(name, rows_out, first)  # the same bytes in the same order: straight into place
+            return
+        rows = max(1, min(count, _BLOCK_BYTES // max(1, width * src_dtype.itemsize)))
+        scratch = getattr(local, "scratch", None)
+        if scratch is None or scratch.nbytes < rows * width * src_dtype.itemsize:
+            scratch = local.scratch = np.empty(rows * width * src_dtype.itemsize, np.uint8)
+        for start in range(0, count, rows):
+            n = min(rows, count - start)
+            buffer = scratch[: n * width * src_dtype.itemsize].view(src_dtype).reshape(n, width)
+            block = file.rows(name, first + start, buffer)
+            if not transpose:
+                rows_out[start : start + n] = block
+                continue
+            # A transpose copied 128 rows at a time is ~3x faster than numpy's strided copy of the whole
+            # (32 or 64 rows win in isolation but lose here, reading from the mapped file); copying as
+            # unsigned ints when the dtype stays is several times faster again for bfloat16.
+            same = src_dtype == dtype
+            dst, src = (as_bits(rows_out), as_bits(block)) if same else (rows_out, block)
+            for i in range(0, n, 128):
+                j = min(i + 128, n)
+                dst[:, start + i : start + j] = src[i:j].T
+
+    def fill(spec: TensorSpec, out: np.ndarray, k: int = 0, parts: int = 1) -> None:
+        """Convert part k of `parts` of the parameter into `out`: all of it, layer k, or block k of the tensor's rows."""
+        names = hf_names(spec, cfg)
+        if parts == 1:
+            for i, name in enumerate(names):
+                copy(spec, name, out[i] if spec.stacked else out)
+        elif spec.stacked:
+            copy(spec, names[k], out[0])
+        else:
+            n = spec.hf_shape[0] // parts
+            copy(spec, names[0], out, k * n, n)
+
+    return fill
+
+
+def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+class _Progress:
+    """Logs every tenth of `total` bytes converted, with the rate so far."""
+
+    def __init__(self, total: int, log: Log) -> None:
+        self.total, self.log, self.done, self.start = total, log, 0, time.perf_counter()
+        self.lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self.lock:
+            tenth = self.done * 10 // max(1, self.total)
+            self.done += nbytes
+            done = self.done
+        if done * 10 // max(1, self.total) > tenth and done < self.total:
+            mib = done / 2**20
+            self.log(f"ingest: {done / self.total:.0%} converted ({mib:,.1f} MiB, {mib / self.seconds():,.0f} MiB/s)")
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def _lazy_param(spec: TensorSpec, cfg: ModelConfig, fill: Callable[..., None], part_bytes: int) -> LazyParam:
+    """The parameter as parts converted and written one by one: its layers, or blocks of the tensor's rows."""
+    shape, dtype = stacked_shape(spec, cfg), np.dtype(cfg.param_dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if spec.stacked:  # layer by layer, unless the layers are tiny (norm scales)
+        axis, parts = 0, (cfg.num_layers if nbytes // cfg.num_layers >= _SPLIT_BYTES else 1)
+    else:  # the embedding and output head: blocks of vocabulary rows (our columns when transposed)
+        parts = split(spec.hf_shape[0] if spec.hf_shape else 1, nbytes, part_bytes)
+        axis = len(shape) - 1 if is_transposed(spec) else 0
+    return LazyParam(shape, dtype, partial(fill, spec, parts=parts), axis, parts)
+
+
+def ingest(hf_dir: str | Path, out_dir: str | Path, cfg: ModelConfig, log: Log = print, allow_pickle: bool = False) -> dict:
+    """Check a HF checkpoint against `cfg`, convert it and save it as param-only Orbax at out_dir/params."""
+    hf = read_hf_config(hf_dir)
+    check_hf_config(hf, cfg)
+    hf_max = hf.get("max_position_embeddings")
+    if hf_max and cfg.max_seq_len > hf_max:
+        log(f"ingest: note: model.max_seq_len {cfg.max_seq_len} exceeds the checkpoint's "
+            f"max_position_embeddings {hf_max}")
+    specs = tensor_specs(cfg)
+    n = sum(math.prod(stacked_shape(s, cfg)) for s in specs)
+    size = n * np.dtype(cfg.param_dtype).itemsize
+    log(f"ingest: converting {hf_dir} to {cfg.param_dtype} ({n:,} parameters, {size / 2**20:,.1f} MiB)")
+    convert, progress = _converter(hf_dir, cfg, allow_pickle), _Progress(size, log)
+
+    def fill(spec: TensorSpec, out: np.ndarray, k: int = 0, parts: int = 1) -> None:
+        convert(spec, out, k, parts)
+        progress.add(out.nbytes)
+
+    tree: dict = {}
+    # Parts are converted while the last ones are written: memory holds four, so the embedding and output
+    # head go in blocks of at most a 32nd of the model (and 256 MiB), about a layer's weight.
+    for spec in specs:
+        _put(tree, spec.path, _lazy_param(spec, cfg, fill, part_bytes=min(size // 32, 1 << 28)))
+    path = save_lazy_params(out_dir, tree, log=log)
+    log(f"ingest: {n:,} parameters written to {path} in {progress.seconds():.1f}s")
+    return {
+        "source": str(hf_dir),
+        "family": cfg.family,
+        "parameters": n,
+        "hf_config": {k: hf[k] for k in _SUMMARY_KEYS if k in hf},
+        "dtype": cfg.param_dtype,
+    }
