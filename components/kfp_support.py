@@ -51,7 +51,7 @@ def train_init(cfg: Config, dataset_dir: str, init_dir: str | None) -> str | Non
 
 
 def artifact_metadata(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The manifest's identity and its scalar stats, as KFP/Vertex artifact metadata."""
+    """The manifest's identity, versioned config and scalar stats, as KFP/Vertex artifact metadata."""
     scalars = {k: v for k, v in manifest["stats"].items() if isinstance(v, (int, float, str, bool))}
     return {**scalars, "version": manifest["version"], "kind": manifest["kind"], "step": manifest["step"],
-            "code_version": manifest["code_version"]}
+            "code_version": manifest["code_version"], "config": manifest["config"]}

@@ -44,9 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if argv[:1] and argv[0] in ("submit", "schedule"):
-        from pipelines.vertex import vertex_main
+        from pipelines.remote_cli import remote_main
 
-        return vertex_main(argv)  # prints its own one-line errors
+        return remote_main(argv)  # prints its own one-line errors
     debug = "--debug" in argv
     try:
         if argv[:1] == ["lineage"]:

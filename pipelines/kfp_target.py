@@ -16,9 +16,9 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from cloud.polling import wait_for_state
 from configs import UserError
-from components.polling import wait_for_state
-from pipelines.vertex import normalize_cron
+from pipelines.cron import normalize_cron
 
 Log = Callable[[str], None]
 
@@ -108,16 +108,19 @@ def _list_recurring(client: Any, host: str, namespace: str | None) -> list[dict[
 
 def kfp_schedule_pause(name_or_display_name: str, *, host: str, namespace: str | None = None,
                        log: Log = print) -> dict[str, Any]:
+    """Stop a recurring run from starting runs (KFP: disable it)."""
     return _action("disable", "paused", name_or_display_name, host, namespace, log)
 
 
 def kfp_schedule_resume(name_or_display_name: str, *, host: str, namespace: str | None = None,
                         log: Log = print) -> dict[str, Any]:
+    """Let a paused recurring run start runs again (KFP: enable it)."""
     return _action("enable", "resumed", name_or_display_name, host, namespace, log)
 
 
 def kfp_schedule_delete(name_or_display_name: str, *, host: str, namespace: str | None = None,
                         log: Log = print) -> dict[str, Any]:
+    """Delete a recurring run (the runs it started stay)."""
     return _action("delete", "deleted", name_or_display_name, host, namespace, log)
 
 

@@ -20,6 +20,7 @@ import yaml
 from google.auth.credentials import AnonymousCredentials
 from google.cloud.aiplatform_v1.types import AcceleratorType
 
+from cloud.custom_job import run_custom_job, worker_pool_specs
 from components import custom_job, steps
 from contract import manifest as artifacts
 from components.kfp_support import store_root
@@ -73,26 +74,26 @@ def test_single_host_and_local_runs_keep_the_plain_train_task(tmp_path: Path) ->
 
 def test_worker_pools_for_gpu_hosts_and_a_tpu_slice() -> None:
     gpu = load_config("tiny", MULTIHOST).resources.train
-    specs = custom_job.worker_pool_specs(gpu, "img:1", ["--out", "o"])
+    specs = worker_pool_specs(gpu, "img:1", custom_job.WORKER, ["--out", "o"])
     assert [s["replica_count"] for s in specs] == [1, 1]
     assert specs[0]["machine_spec"] == {"machine_type": "a3-highgpu-8g", "accelerator_type": "NVIDIA_H100_80GB",
                                         "accelerator_count": 8}
     assert specs[1]["container_spec"] == {"image_uri": "img:1", "command": custom_job.WORKER, "args": ["--out", "o"]}
     tpu = load_config("tiny", ["resources.train.machine_type=ct5lp-hightpu-4t", "resources.train.tpu_topology=4x4",
                                "resources.train.accelerator_type=TPU_V5_LITEPOD", "resources.train.accelerator_count=4"])
-    specs = custom_job.worker_pool_specs(tpu.resources.train, "tpu:1", [])
+    specs = worker_pool_specs(tpu.resources.train, "tpu:1", custom_job.WORKER, [])
     assert len(specs) == 1 and specs[0]["machine_spec"]["tpu_topology"] == "4x4"
     with pytest.raises(ValueError, match="machine_type is needed"):
         load_config("tiny", ["resources.train.replicas=4"])
 
 
 def test_launcher_sends_the_job_the_rest_api_documents_and_reports_failure(fake: FakeVertex, tmp_path: Path) -> None:
-    specs = custom_job.worker_pool_specs(load_config("tiny", MULTIHOST).resources.train, "img:1", ["--x"])
+    specs = worker_pool_specs(load_config("tiny", MULTIHOST).resources.train, "img:1", custom_job.WORKER, ["--x"])
     where = dict(project=PROJECT, location=REGION, api_endpoint=fake.url, credentials=AnonymousCredentials(),
                  poll_s=0.01, log=lambda _: None)
-    name = custom_job.run_custom_job("maxpipe-train-v1", specs, base_output_dir="gs://b/store/train/v1/job",
-                                     service_account="sa@p.iam.gserviceaccount.com",
-                                     network="projects/1/global/networks/vpc", **where)
+    name = run_custom_job("maxpipe-train-v1", specs, base_output_dir="gs://b/store/train/v1/job",
+                          service_account="sa@p.iam.gserviceaccount.com",
+                          network="projects/1/global/networks/vpc", **where)
     (create,) = fake.calls("POST", "/customJobs$")
     assert create.path == f"/v1/projects/{PROJECT}/locations/{REGION}/customJobs"
     body = create.body
@@ -119,16 +120,16 @@ def test_launcher_sends_the_job_the_rest_api_documents_and_reports_failure(fake:
             fake.custom_jobs[name]["state"] = next(states, "JOB_STATE_SUCCEEDED")
 
     fake.on_request = advance
-    assert custom_job.run_custom_job("maxpipe-train-v1", specs, base_output_dir="gs://b/j", **where) == name
+    assert run_custom_job("maxpipe-train-v1", specs, base_output_dir="gs://b/j", **where) == name
     assert len(fake.calls("POST", "/customJobs$")) == 1
     fake.on_request = None
 
     fake.run_custom_job = lambda body: "The replica workerpool1-0 exited with a non-zero status of 1."
     with pytest.raises(UserError, match=r"training job .* failed: The replica workerpool1-0 exited"):
-        custom_job.run_custom_job("maxpipe-train-v2", specs, base_output_dir="gs://b/j", **where)
+        run_custom_job("maxpipe-train-v2", specs, base_output_dir="gs://b/j", **where)
     fake.fail("POST", "/customJobs$", 403, "PERMISSION_DENIED", "Permission 'aiplatform.customJobs.create' denied")
     with pytest.raises(UserError, match="^Vertex AI refused the training job: 403 Permission 'aiplatform.customJobs"):
-        custom_job.run_custom_job("maxpipe-train-v3", specs, base_output_dir="gs://b/j", **where)
+        run_custom_job("maxpipe-train-v3", specs, base_output_dir="gs://b/j", **where)
 
 
 def test_a_stopped_launcher_cancels_its_job(fake: FakeVertex) -> None:
@@ -138,11 +139,11 @@ def test_a_stopped_launcher_cancels_its_job(fake: FakeVertex) -> None:
         if line.endswith("running"):
             raise KeyboardInterrupt  # what SIGTERM becomes in the launcher
 
-    specs = custom_job.worker_pool_specs(load_config("tiny", MULTIHOST).resources.train, "img:1", [])
+    specs = worker_pool_specs(load_config("tiny", MULTIHOST).resources.train, "img:1", custom_job.WORKER, [])
     with pytest.raises(KeyboardInterrupt):
-        custom_job.run_custom_job("maxpipe-train-v9", specs, base_output_dir="gs://b/j", project=PROJECT,
-                                  location=REGION, api_endpoint=fake.url, credentials=AnonymousCredentials(),
-                                  poll_s=0.01, log=stop)
+        run_custom_job("maxpipe-train-v9", specs, base_output_dir="gs://b/j", project=PROJECT,
+                       location=REGION, api_endpoint=fake.url, credentials=AnonymousCredentials(),
+                       poll_s=0.01, log=stop)
     (cancel,) = fake.calls("POST", ":cancel$")
     assert fake.custom_jobs[cancel.path.removeprefix("/v1/").removesuffix(":cancel")]["state"] == "JOB_STATE_CANCELLED"
 
@@ -207,7 +208,7 @@ def test_pipeline_train_task_trains_on_two_hosts_through_a_custom_job(
 
 
 def test_kubeflow_target_refuses_multihost_training_before_any_work(capsys: Any) -> None:
-    from pipelines.vertex import vertex_main
+    from pipelines.remote_cli import remote_main
 
-    assert vertex_main(["submit", "tiny", *MULTIHOST, "--target", "kfp", "--host", "http://127.0.0.1:9"]) == 1
+    assert remote_main(["submit", "tiny", *MULTIHOST, "--target", "kfp", "--host", "http://127.0.0.1:9"]) == 1
     assert "runs as a Vertex AI custom job: submit with --target vertex" in capsys.readouterr().err

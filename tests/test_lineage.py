@@ -13,9 +13,12 @@ import pytest
 from contract import manifest as artifacts
 from components.kfp_support import artifact_metadata
 from configs import UserError, load_config
-from pipelines.lineage import lineage_main, vertex_view, view_from_subgraph
+from pipelines import lineage_queries as queries
+from pipelines.lineage import lineage_main
+from pipelines.lineage_graph import Tree
 from pipelines.lineage_render import dot, html_page, mermaid, render, tree_text, view_dict
-from pipelines.lineage_store import LineageStore, Tree, store_path
+from pipelines.lineage_store import LineageStore, store_path
+from pipelines.lineage_vertex import vertex_view, view_from_subgraph
 
 CODE = "c0de00000001"
 FILES_FINGERPRINT = hashlib.sha256(b"the corpus").hexdigest()
@@ -23,11 +26,12 @@ FILES_FINGERPRINT = hashlib.sha256(b"the corpus").hexdigest()
 
 def publish(store: Path, kind: str, step: str, config: dict, inputs: list[dict], stats: dict) -> Path:
     """A complete artifact dir `{store}/{step}/{version}`: a payload, then the manifest (as components.steps does)."""
-    version = artifacts.version_of(step, config, inputs, CODE)
+    key = json.dumps([step, config, [i["version"] for i in inputs], CODE], sort_keys=True)
+    version = hashlib.sha256(key.encode()).hexdigest()[:12]  # any content hash names a version here
     directory = store / step / version
     directory.mkdir(parents=True)
     (directory / "payload.bin").write_bytes(b"\0" * 16)
-    artifacts.publish(directory, kind=kind, step=step, version=version, code=CODE, config=config,
+    artifacts.publish(directory, kind=kind, step=step, version=version, code=CODE, config=config, settings={},
                       inputs=inputs, stats=stats)
     return directory
 
@@ -77,7 +81,7 @@ def full_nodes(tree: Tree) -> list[Tree]:
 
 
 def test_upstream_of_metrics_goes_back_to_the_data_files(chain):
-    tree = chain.store.upstream(chain.v["a.report"])
+    tree = queries.upstream(chain.store, chain.v["a.report"])
     spine, node = [], tree
     while True:  # follow the fully shown child: the longest chain back to the source
         spine.append((node.artifact.kind, node.artifact.version, node.artifact.step))
@@ -104,65 +108,65 @@ def test_upstream_of_metrics_goes_back_to_the_data_files(chain):
 
 
 def test_downstream_of_the_dataset_lists_both_trainings(chain):
-    users = chain.store.downstream(chain.v["a.dataset"])
+    users = queries.downstream(chain.store, chain.v["a.dataset"])
     # Both were made in the same second: their order is by version, a hash.
     assert sorted((t.artifact.kind, t.artifact.version) for t in users) == sorted([
         ("checkpoints", chain.v["a.checkpoints"]), ("checkpoints", chain.v["b.checkpoints"])])
     (a_tree,) = [t for t in users if t.artifact.version == chain.v["a.checkpoints"]]
     below_a = [n.artifact.version for n in a_tree.walk()]
     assert below_a == [chain.v["a.checkpoints"], chain.v["a.model"], chain.v["a.report"]]
-    assert chain.store.downstream(chain.v["a.report"]) == []
+    assert queries.downstream(chain.store, chain.v["a.report"]) == []
 
 
 def test_resolve_by_version_prefix_path_and_uri(chain, monkeypatch):
     store, version = chain.store, chain.v["a.checkpoints"]
-    assert store.resolve(version).version == version
-    assert store.resolve(version[:7]).uri == str(chain.a["checkpoints"])
-    assert store.resolve(str(chain.a["checkpoints"])).version == version
-    assert store.resolve(f"file://{chain.a['checkpoints']}").version == version
-    assert store.resolve(f"store/train/{version}").version == version  # relative to the pipeline root
+    assert queries.resolve(store, version).version == version
+    assert queries.resolve(store, version[:7]).uri == str(chain.a["checkpoints"])
+    assert queries.resolve(store, str(chain.a["checkpoints"])).version == version
+    assert queries.resolve(store, f"file://{chain.a['checkpoints']}").version == version
+    assert queries.resolve(store, f"store/train/{version}").version == version  # relative to the pipeline root
     monkeypatch.chdir(chain.root / "store")
-    assert store.resolve(f"train/{version}/").version == version  # relative to the working directory
+    assert queries.resolve(store, f"train/{version}/").version == version  # relative to the working directory
 
 
 def test_unknown_and_ambiguous_refs_are_one_line_errors(chain):
     with pytest.raises(UserError, match="no artifact matches 'ffffffff'.*lineage rebuild"):
-        chain.store.resolve("ffffffff")
+        queries.resolve(chain.store, "ffffffff")
     with pytest.raises(UserError, match="no artifact matches"):
-        chain.store.resolve(str(chain.root / "store" / "train" / "0123456789ab"))
+        queries.resolve(chain.store, str(chain.root / "store" / "train" / "0123456789ab"))
     for suffix in ("1", "2"):  # two versions that share a prefix
         directory = chain.root / f"odd{suffix}"
         directory.mkdir()
         artifacts.publish(directory, kind="metrics", step="eval", version=f"abcd{suffix}0000000", code=CODE,
-                          config={}, inputs=[], stats={})
+                          config={}, settings={}, inputs=[], stats={})
         chain.store.index(directory)
     with pytest.raises(UserError) as err:
-        chain.store.resolve("abcd")
+        queries.resolve(chain.store, "abcd")
     assert "matches 2 artifacts" in str(err.value) and "\n" not in str(err.value)
-    assert chain.store.resolve("abcd2").version == "abcd20000000"
+    assert queries.resolve(chain.store, "abcd2").version == "abcd20000000"
     with pytest.raises(UserError, match="not a complete maxpipe artifact"):
         chain.store.index(chain.root / "store" / "train" / "0123456789ab")
 
 
 def test_indexing_is_idempotent_and_rebuild_gives_the_same_graph(chain, tmp_path):
-    before = chain.store.snapshot()
+    before = queries.snapshot(chain.store)
     assert len(before["nodes"]) == 8 and len(before["edges"]) == 11  # 7 step outputs + the files source
     assert sorted(before["runs"]) == ["run-a", "run-b"]
-    assert [a.version for a in chain.store.runs()["run-b"]].count(chain.v["a.dataset"]) == 1  # b read a's dataset
+    assert [a.version for a in queries.runs(chain.store)["run-b"]].count(chain.v["a.dataset"]) == 1  # b read a's dataset
     for path in [*chain.b.values(), *chain.a.values()]:
         chain.store.index(path)
     chain.store.record_run("run-a", [str(p) for p in chain.a.values()])
-    assert chain.store.snapshot() == before
+    assert queries.snapshot(chain.store) == before
 
     assert chain.store.rebuild(chain.root) == 7  # the crashed step's manifest-less dir is ignored
-    assert chain.store.snapshot() == before
+    assert queries.snapshot(chain.store) == before
     with LineageStore(tmp_path / "fresh.sqlite") as fresh:  # a store built from the manifests alone
         fresh.rebuild(chain.root)
-        assert fresh.snapshot() == before
+        assert queries.snapshot(fresh) == before
     with LineageStore(":memory:") as reverse:  # inputs indexed after their users: same graph
         for path in sorted([*chain.a.values(), *chain.b.values()], reverse=True):
             reverse.index(path)
-        assert {k: v for k, v in reverse.snapshot().items() if k != "runs"} == \
+        assert {k: v for k, v in queries.snapshot(reverse).items() if k != "runs"} == \
                {k: v for k, v in before.items() if k != "runs"}
 
 
@@ -172,17 +176,17 @@ def test_a_moved_root_still_links_inputs_by_version(chain, tmp_path):
     shutil.move(chain.root, moved)  # manifests still name the old input paths
     with LineageStore(store_path(moved)) as store:
         assert store.rebuild(moved) == 7
-        kinds = [n.artifact.kind for n in full_nodes(store.upstream(chain.v["a.report"]))]
+        kinds = [n.artifact.kind for n in full_nodes(queries.upstream(store, chain.v["a.report"]))]
         assert kinds == ["metrics", "exported_model", "checkpoints", "dataset", "files"]
-        assert all(a.step or a.external for a in store.list())  # no dangling placeholders
-        assert len(store.downstream(chain.v["a.dataset"])) == 2
-        runs = store.runs()  # the run records name the old paths: matched by kind and version
+        assert all(a.step or a.external for a in queries.list_artifacts(store))  # no dangling placeholders
+        assert len(queries.downstream(store, chain.v["a.dataset"])) == 2
+        runs = queries.runs(store)  # the run records name the old paths: matched by kind and version
         assert sorted(runs) == ["run-a", "run-b"] and len(runs["run-b"]) == 5
     chain.store = LineageStore(":memory:")
 
 
 def test_renderings_show_every_node(chain):
-    view = chain.store.view(chain.v["a.checkpoints"])
+    view = queries.view(chain.store, chain.v["a.checkpoints"])
     versions = {a.version for a in view.nodes}
     assert versions == {chain.v[k] for k in ("a.dataset", "a.checkpoints", "a.model", "a.report")} | {FILES_FINGERPRINT}
     text = tree_text(view)
@@ -258,8 +262,9 @@ def test_lineage_main_end_to_end(chain, tmp_path, capsys, monkeypatch):
 # ---- Vertex ML Metadata --------------------------------------------------------------------------
 
 
-def vertex_subgraph(chain):
-    """The LineageSubgraph Vertex would return for run a: KFP artifacts stamped by components.kfp_support."""
+def vertex_subgraph(chain, stamp_config: bool = True):
+    """The LineageSubgraph Vertex would return for run a: KFP artifacts stamped by components.kfp_support,
+    with the config their manifests record (`stamp_config`), executions with the run's whole config."""
     from google.cloud import aiplatform_v1 as v1
 
     store = "projects/p/locations/us-central1/metadataStores/default"
@@ -268,9 +273,14 @@ def vertex_subgraph(chain):
     for i, (name, task) in enumerate((("dataset", "prep"), ("checkpoints", "train"), ("model", "export"),
                                       ("report", "evaluate"))):
         manifest = artifacts.read_manifest(chain.a[name])
+        metadata = artifact_metadata(manifest)
+        if stamp_config:
+            metadata.setdefault("config", manifest["config"])
+        else:
+            metadata.pop("config", None)
         arts.append(v1.Artifact(
             name=f"{store}/artifacts/{i}", uri=f"gs://bucket/root/run-a/{task}/{name}", schema_title="system.Model",
-            metadata=artifact_metadata(manifest), create_time=manifest["created"].replace("+00:00", "Z")))
+            metadata=metadata, create_time=manifest["created"].replace("+00:00", "Z")))
         execs.append(v1.Execution(name=f"{store}/executions/{i}", display_name=task, metadata={"input:config": cfg}))
         events.append(v1.Event(artifact=arts[-1].name, execution=execs[-1].name, type_=v1.Event.Type.OUTPUT))
     for execution, read in ((1, [0]), (2, [1, 0]), (3, [2, 0])):
@@ -289,10 +299,19 @@ def test_vertex_lineage_subgraph_converts_to_the_same_tree(chain):
     assert metrics.uri == "gs://bucket/root/run-a/evaluate/report" and metrics.code_version == CODE
     assert metrics.stats["val_tokens"] == 2016 and isinstance(metrics.stats["val_tokens"], int)
     assert metrics.created == artifacts.read_manifest(chain.a["report"])["created"]
-    assert "batch_size=" in metrics.config_summary and "steps=" not in metrics.config_summary  # eval's section only
+    # The config the eval manifest records, as stamped on the artifact: eval's fields only.
+    assert metrics.config == artifacts.read_manifest(chain.a["report"])["config"]
+    assert "batch_size=" in metrics.config_summary and "steps=" not in metrics.config_summary
     dataset_view = view_from_subgraph(subgraph, subgraph.artifacts[0].name)
     assert [t.artifact.kind for t in dataset_view.downstream] == ["checkpoints"]
     assert "flowchart LR" in render(dataset_view, "html") and len(dataset_view.edges) == 5
+
+
+def test_vertex_nodes_without_a_stamped_config_show_the_runs_config(chain):
+    subgraph = vertex_subgraph(chain, stamp_config=False)
+    metrics = view_from_subgraph(subgraph, subgraph.artifacts[3].name).focus
+    assert metrics.config == load_config("tiny").model_dump(mode="json")
+    assert "config" not in metrics.stats
 
 
 def test_vertex_view_queries_the_metadata_service(chain):
@@ -338,11 +357,11 @@ def test_a_store_outside_the_root_is_rebuilt_from_the_run_records(tmp_path):
     root.mkdir()
     with LineageStore(store_path(root)) as store:
         store.record_run("nightly-1", list(a.values()))
-        before = store.snapshot()
+        before = queries.snapshot(store)
         record = json.loads((root / "pipeline_runs" / "nightly-1.json").read_text())
         assert [r["uri"] for r in record["artifacts"]] == [str(p) for p in a.values()]
         assert store.rebuild(root) == 4
-        assert store.snapshot() == before
-        assert sorted(store.runs()) == ["nightly-1"] and len(store.runs()["nightly-1"]) == 5  # + the files source
+        assert queries.snapshot(store) == before
+        assert sorted(queries.runs(store)) == ["nightly-1"] and len(queries.runs(store)["nightly-1"]) == 5  # + the files source
     with pytest.raises(UserError, match="run name"):
         LineageStore(":memory:").record_run("../x", [])

@@ -19,7 +19,9 @@ from google.auth.credentials import AnonymousCredentials
 
 from configs import UserError, load_config
 from pipelines import kfp_target, vertex
+from pipelines.cron import normalize_cron
 from pipelines.dag import compile_pipeline
+from pipelines.remote_cli import remote_main
 from tests.vertex_server import FakeKFP, FakeVertex
 
 PROJECT, REGION, ROOT = "proj", "europe-west4", "gs://bkt/runs"
@@ -210,9 +212,9 @@ def test_schedule_names_that_match_nothing_or_several(fake: FakeVertex, spec: st
 def test_cron_is_checked_before_any_request(cron: str, expected: str) -> None:
     if "expected" in expected or "unknown" in expected:
         with pytest.raises(UserError, match=expected):
-            vertex.normalize_cron(cron)
+            normalize_cron(cron)
     else:
-        assert vertex.normalize_cron(cron) == expected
+        assert normalize_cron(cron) == expected
 
 
 # -------------------------------------------------------------------------------------- errors
@@ -282,7 +284,7 @@ def test_unreachable_endpoint_and_bad_input(fake: FakeVertex, spec: str) -> None
 
 
 def test_cli_submit_compiles_the_preset_and_prints_the_console_link(fake: FakeVertex, capsys: Any) -> None:
-    code = vertex.vertex_main([
+    code = remote_main([
         "submit", "tiny", "train.steps=7", "--project", PROJECT, "--region", REGION, "--pipeline-root", ROOT,
         "--labels", "team=ml,env=dev", "--no-cache", "--service-account", SA, "--api-endpoint", fake.url])
     out, err = capsys.readouterr()
@@ -300,29 +302,29 @@ def test_cli_submit_compiles_the_preset_and_prints_the_console_link(fake: FakeVe
 
 def test_cli_schedules_and_error_lines(fake: FakeVertex, capsys: Any) -> None:
     base = ["--project", PROJECT, "--region", REGION, "--api-endpoint", fake.url]
-    assert vertex.vertex_main(["schedule", "create", "tiny", "--cron", "TZ=Europe/Paris 0 3 * * 1",
+    assert remote_main(["schedule", "create", "tiny", "--cron", "TZ=Europe/Paris 0 3 * * 1",
                                "--display-name", "weekly", "--pipeline-root", ROOT, *base]) == 0
     assert fake.calls("POST", "/schedules$")[0].body["cron"] == "TZ=Europe/Paris 0 3 * * 1"
-    assert vertex.vertex_main(["schedule", "list", *base]) == 0
+    assert remote_main(["schedule", "list", *base]) == 0
     out = capsys.readouterr().out
     assert "created schedule 'weekly'" in out
     header, row = out.strip().splitlines()[-2:]
     assert header.split() == ["DISPLAY_NAME", "STATE", "CRON", "NEXT_RUN", "NAME"]
     assert row.startswith("weekly") and "ACTIVE" in row and "TZ=Europe/Paris 0 3 * * 1" in row
-    assert vertex.vertex_main(["schedule", "pause", "weekly", *base]) == 0
+    assert remote_main(["schedule", "pause", "weekly", *base]) == 0
     assert "paused schedule 'weekly'" in capsys.readouterr().out
 
     fake.fail("POST", "/pipelineJobs$", 403, "PERMISSION_DENIED", "Permission 'aiplatform.pipelineJobs.create' denied")
-    assert vertex.vertex_main(["submit", "tiny", "--pipeline-root", ROOT, *base]) == 1
+    assert remote_main(["submit", "tiny", "--pipeline-root", ROOT, *base]) == 1
     err = capsys.readouterr().err
     assert err == ("error: Vertex AI refused the pipeline run: 403 Permission 'aiplatform.pipelineJobs.create' "
                    "denied\n")
-    assert vertex.vertex_main(["submit", "tiny", *base]) == 1
+    assert remote_main(["submit", "tiny", *base]) == 1
     assert capsys.readouterr().err.startswith("error: Vertex AI needs --pipeline-root gs://")
-    assert vertex.vertex_main(["schedule", "resume", "nope", *base]) == 1
+    assert remote_main(["schedule", "resume", "nope", *base]) == 1
     assert capsys.readouterr().err.startswith("error: no schedule named 'nope'")
     with pytest.raises(UserError):
-        vertex.vertex_main(["schedule", "resume", "nope", "--debug", *base])
+        remote_main(["schedule", "resume", "nope", "--debug", *base])
 
 
 # ------------------------------------------------------------------------- Kubeflow Pipelines
@@ -364,7 +366,7 @@ def test_kfp_submit_and_recurring_runs(kfp_fake: FakeKFP, spec: str) -> None:
 
 def test_kfp_errors_are_one_line(kfp_fake: FakeKFP, spec: str, capsys: Any) -> None:
     kfp_fake.fail("POST", "/runs$", 403, "PERMISSION_DENIED", "user alice cannot create runs in namespace kubeflow")
-    code = vertex.vertex_main(["submit", "tiny", "--target", "kfp", "--host", kfp_fake.url])
+    code = remote_main(["submit", "tiny", "--target", "kfp", "--host", kfp_fake.url])
     assert code == 1
     assert capsys.readouterr().err == ("error: Kubeflow Pipelines refused the pipeline run: 403 user alice cannot "
                                        "create runs in namespace kubeflow\n")

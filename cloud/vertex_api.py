@@ -1,6 +1,6 @@
 """Talking to the Vertex AI API: one SDK session per call, offline-testable endpoints, one-line errors.
 
-Shared by the pipeline layer (runs, schedules) and the train step's custom-job launcher.
+Shared by pipeline runs and schedules (pipelines/vertex.py) and custom jobs (cloud/custom_job.py).
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ def google_error(err: Any) -> str:
 
 
 def one_line(text: str) -> str:
+    """`text` with its whitespace runs (newlines too) collapsed to single spaces."""
     return " ".join(str(text).split())
 
 
