@@ -1,4 +1,4 @@
-"""Lineage for people: an indented tree, JSON, mermaid and Graphviz dot text, and a self-contained HTML page."""
+"""Lineage for people: an indented tree, JSON, mermaid and Graphviz dot text, an SVG, and a self-contained HTML page."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from pipelines.lineage_store import Artifact, LineageView, Tree
+from pipelines.lineage_graph import Artifact, LineageView, Tree
 
 FORMATS = ("tree", "json", "mermaid", "dot", "html")
-MERMAID_JS = "https://cdn.jsdelivr.net/npm/mermaid@11/dist/mermaid.esm.min.mjs"
 SHORT = 16  # characters of a version shown (data fingerprints are 64)
+_CHAR_W, _LINE_H, _PAD, _BOX_CHARS = 6.7, 15, 8, 44  # the SVG's monospace metrics at 11px, in px; widest label
 
 
 def render(view: LineageView, fmt: str = "tree") -> str:
@@ -98,8 +98,61 @@ def dot(view: LineageView) -> str:
     return "\n".join(lines + ["}"]) + "\n"
 
 
+def svg(view: LineageView) -> str:
+    """The graph as an SVG drawn here (no script, no fetch): boxes in columns by depth, sources on the left."""
+    ids = {a.key: i for i, a in enumerate(view.nodes)}
+    columns, chains = _layers(len(view.nodes), [(ids[s], ids[d]) for s, d in view.edges if s in ids and d in ids])
+    labels = [_label_parts(a) for a in view.nodes]
+    chars = min(max(len(line) for parts in labels for line in parts), _BOX_CHARS)
+    box_w, box_h = round(chars * _CHAR_W) + 2 * _PAD, max(len(p) for p in labels) * _LINE_H + 2 * _PAD
+    col_w, gap = box_w + 56, 20
+    size = {n: box_h if n < len(labels) else _PAD for column in columns for n in column}  # a box, or a waypoint
+    tall = [sum(size[n] + gap for n in column) - gap for column in columns]
+    height, width = max(tall), len(columns) * col_w - 56
+    x, mid = {}, {}  # each box's left side and vertical centre, and each waypoint's
+    for depth, column in enumerate(columns):
+        y = (height - tall[depth]) / 2
+        for n in column:
+            x[n], mid[n], y = depth * col_w, y + size[n] / 2, y + size[n] + gap
+    aria = html.escape(f"lineage graph of {view.focus.kind} {_short(view.focus.version)}")
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="lineage" width="{width + 16}" height="{height + 16}" '
+           f'viewBox="-8 -8 {width + 16} {height + 16}" font-family="ui-monospace, monospace" font-size="11" '
+           f'role="img" aria-label="{aria}">',
+           '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" markerHeight="7" '
+           'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#57606a"/></marker></defs>']
+    for chain in chains:  # a curve between columns, a straight line through a column it crosses
+        d = f"M{x[chain[0]] + box_w},{mid[chain[0]]:.1f}"
+        for i, n in enumerate(chain[1:], 1):
+            x0, y0, x1, y1 = x[chain[i - 1]] + box_w, mid[chain[i - 1]], x[n], mid[n]
+            bend = max((x1 - x0) / 2, 24)
+            d += f" C{x0 + bend},{y0:.1f} {x1 - bend},{y1:.1f} {x1},{y1:.1f}"
+            if i < len(chain) - 1:
+                d += f" L{x1 + box_w},{y1:.1f}"
+        out.append(f'<path class="edge" d="{d}" fill="none" stroke="#57606a" stroke-width="1.3" '
+                   'marker-end="url(#arrow)"/>')
+    missing = {a.key for a in _missing(view)}
+    for i, a in enumerate(view.nodes):
+        fill, stroke, extra = "#ffffff", "#7a8ca5", ""
+        if a.key == view.focus.key:
+            fill, stroke, extra = "#ffe8a3", "#b07d00", ' stroke-width="2"'
+        elif a.external:
+            fill = "#eef2f7"
+        elif a.key in missing:
+            extra = ' stroke-dasharray="4 3"'
+        top = mid[i] - box_h / 2
+        out.append(f'<g class="node" data-version="{html.escape(a.version)}"><title>{html.escape(a.uri)}</title>'
+                   f'<rect x="{x[i]}" y="{top:.1f}" width="{box_w}" height="{box_h}" rx="6" fill="{fill}" '
+                   f'stroke="{stroke}"{extra}/>')
+        for n, line in enumerate(labels[i]):
+            weight = ' font-weight="bold"' if n == 0 else ""
+            out.append(f'<text x="{x[i] + _PAD}" y="{top + _PAD + (n + 0.8) * _LINE_H:.1f}"{weight}>'
+                       f"{html.escape(_clip(line, _BOX_CHARS))}</text>")
+        out.append("</g>")
+    return "\n".join(out + ["</svg>"])
+
+
 def html_page(view: LineageView) -> str:
-    """A page a browser opens: the mermaid graph (mermaid.js from a CDN draws it), and the tree and a table (no JS)."""
+    """A self-contained page (no script, nothing fetched): the graph as inline SVG, the tree and a table."""
     focus = view.focus
     title = f"lineage of {focus.kind} {_short(focus.version)}"
     rows = "\n".join(
@@ -114,7 +167,7 @@ def html_page(view: LineageView) -> str:
 <style>
   body {{ font: 14px/1.45 system-ui, sans-serif; margin: 2em; color: #1d232b; }}
   pre {{ background: #f6f8fa; padding: 1em; overflow-x: auto; }}
-  pre.mermaid {{ background: none; }}
+  .graph {{ overflow-x: auto; }}
   table {{ border-collapse: collapse; font-size: 13px; }}
   th, td {{ border: 1px solid #d0d7de; padding: 4px 8px; text-align: left; vertical-align: top; }}
   th {{ background: #f6f8fa; }}
@@ -125,8 +178,14 @@ def html_page(view: LineageView) -> str:
 <h1>{html.escape(title)}</h1>
 <p><code>{html.escape(focus.uri)}</code></p>
 <h2>Graph</h2>
+<div class="graph">
+{svg(view)}
+</div>
+<p class="note">Arrows go from inputs to what was made from them; the highlighted box is this artifact;
+hover a box for its uri.</p>
+<details><summary class="note">mermaid source (for documents that render mermaid)</summary>
 <pre class="mermaid">{html.escape(mermaid(view))}</pre>
-<p class="note">Drawn by mermaid.js from {html.escape(MERMAID_JS)}; offline, the text above is the graph's source.</p>
+</details>
 <h2>Upstream and downstream</h2>
 <pre class="tree">{html.escape(tree_text(view))}</pre>
 <h2>Artifacts</h2>
@@ -134,13 +193,6 @@ def html_page(view: LineageView) -> str:
 <tr><th>kind</th><th>version</th><th>step</th><th>created</th><th>key stats</th><th>config</th><th>uri</th></tr>
 {rows}
 </table>
-<script type="module">
-  import mermaid from "{MERMAID_JS}";
-  mermaid.initialize({{ startOnLoad: false, securityLevel: "strict" }});
-  const box = document.querySelector("pre.mermaid");
-  const {{ svg }} = await mermaid.render("lineage-graph", box.textContent);
-  box.innerHTML = svg;
-</script>
 </body>
 </html>
 """
@@ -187,6 +239,47 @@ def _tree_dict(tree: Tree, children: str) -> dict[str, Any]:
 def _label_parts(a: Artifact) -> list[str]:
     stats = _stats_text(dict(list(a.stats.items())[:2]))
     return [a.kind, _short(a.version), _step(a)] + ([stats] if stats else [])
+
+
+def _layers(count: int, edges: list[tuple[int, int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Columns by longest-path depth, each ordered near its neighbours' rows, and each edge as a chain of nodes:
+    an edge that skips columns gets a waypoint (a node numbered from `count` on) in each column it crosses."""
+    parents: list[list[int]] = [[] for _ in range(count)]
+    for src, dst in edges:
+        parents[dst].append(src)
+    depth: dict[int, int] = {}
+
+    def place(node: int, path: frozenset[int]) -> int:
+        if node not in depth:  # `path` guards against a cycle, which a lineage graph should never have
+            depth[node] = 1 + max((place(p, path | {node}) for p in parents[node] if p not in path), default=-1)
+        return depth[node]
+
+    for node in range(count):
+        place(node, frozenset())
+    chains = []
+    for src, dst in edges:
+        waypoints = range(len(depth), len(depth) + max(depth[dst] - depth[src] - 1, 0))
+        depth.update((w, depth[src] + 1 + i) for i, w in enumerate(waypoints))
+        chains.append([src, *waypoints, dst])
+    links: dict[str, list[list[int]]] = {"in": [[] for _ in depth], "out": [[] for _ in depth]}
+    for chain in chains:
+        for a, b in zip(chain, chain[1:]):
+            links["in"][b].append(a)
+            links["out"][a].append(b)
+    columns: list[list[int]] = [[] for _ in range(max(depth.values(), default=0) + 1)]
+    for node in sorted(depth):
+        columns[depth[node]].append(node)
+    row = {n: float(i) for column in columns for i, n in enumerate(column)}
+    for sweep, side in ((columns[1:], "in"), (columns[-2::-1], "out"), (columns[1:], "in")):
+        for column in sweep:  # barycentre sweeps, right, left, right: fewer crossings
+            column.sort(key=lambda n: (sum(row[m] for m in links[side][n]) / len(links[side][n])
+                                       if links[side][n] else row[n], n))
+            row.update((n, float(i)) for i, n in enumerate(column))
+    return columns, chains
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _missing(view: LineageView) -> list[Artifact]:
