@@ -34,7 +34,7 @@ from trainer.metrics import measure_matmul_flops, train_flops_per_step
 from trainer.model import param_count
 from trainer.optimizer import make_optimizer
 from trainer.sharding import RULES, batch_sharding, make_mesh
-from trainer.train import init_opt_state, init_params, make_model, make_train_step, opt_state_layout, param_layout
+from trainer.train import abstract_opt_state, abstract_params, init_opt_state, init_params, make_model, make_train_step
 
 SHAPES = {  # model overrides, seq, batch
     "cpu60m": (["model.emb_dim=512", "model.num_layers=8", "model.num_heads=8", "model.num_kv_heads=8",
@@ -68,7 +68,7 @@ def run_variant(shape: str, seq: int, batch: int, remat: str, dtype: str, attent
     model, tx = make_model(cfg.model, cfg.train, mesh, seq, log=chosen.append), make_optimizer(cfg.train)
     params = init_params(model, seq, 0, mesh)
     opt_state = init_opt_state(tx, params, mesh)
-    step = make_train_step(model, tx, 1, (param_layout(model, seq, mesh), opt_state_layout(tx, params, mesh)))
+    step = make_train_step(model, tx, 1, (abstract_params(model, seq, mesh), abstract_opt_state(tx, params, mesh)))
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (batch, seq + 1), dtype=np.int32)
     data = jax.device_put(
         {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((batch, seq), np.float32)},

@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Another maxpipe (code version) in the train image than in the launcher's image.
             raise UserError(f"this host plans version {step.version} of the train step but the pipeline planned "
                             f"{args.version}: build the train image from the same maxpipe as the pipeline's")
-        steps.execute(step, args.out, log, primary=index == 0)
+        steps.execute(step, args.out, log, primary=index == 0, leased=False)  # the launcher holds the lease
     except UserError as err:
         print(f"{ERROR_PREFIX}{err}", flush=True)
         return 1

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,13 +15,14 @@ import numpy as np
 import optax
 import flax.linen as nn
 
-from configs import ModelConfig, TrainConfig, UserError
-from trainer import attention, checkpoint, metrics
+from configs import ModelConfig, TrainConfig, TrainSettings, UserError
+from trainer import attention, checkpoint, metrics, param_reader
 from trainer.accelerators import memory_of
 from trainer.data import format_of, sequence_length, shard_paths, train_iterator
-from trainer.evaluate import token_loss, validation_loss
+from trainer.evaluate import token_loss
 from trainer.model import Transformer, param_count
 from trainer.optimizer import learning_rate_schedule, make_optimizer
+from trainer.run_log import MetricsLog, StepLog, Validation
 from trainer.sharding import RULES, batch_sharding, logical_shardings, make_mesh, replicated
 from trainer.topology import slice_devices
 
@@ -47,7 +46,7 @@ def _for_init(model: Transformer) -> Transformer:
     return model.clone(attention="xla", mesh=None)
 
 
-def param_layout(model: Transformer, seq_len: int, mesh: jax.sharding.Mesh) -> Any:
+def abstract_params(model: Transformer, seq_len: int, mesh: jax.sharding.Mesh) -> Any:
     """Shapes, dtypes and mesh shardings of the params, without allocating them."""
     boxed = jax.eval_shape(_for_init(model).init, jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))["params"]
     return jax.tree.map(
@@ -66,7 +65,7 @@ def init_params(model: Transformer, seq_len: int, seed: int, mesh: jax.sharding.
         return init(jax.random.key(seed))
 
 
-def opt_state_layout(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> Any:
+def abstract_opt_state(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> Any:
     """Shapes and shardings of the optimizer state: laid out like the params it tracks, scalars replicated."""
     abstract = jax.eval_shape(tx.init, params)
     shardings = optax.tree_utils.tree_map_params(
@@ -77,7 +76,7 @@ def opt_state_layout(tx: optax.GradientTransformation, params: Any, mesh: jax.sh
 
 def init_opt_state(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> Any:
     """The optimizer's initial state in its sharded layout (float32 moments for float32 params)."""
-    return jax.jit(tx.init, out_shardings=_shardings(opt_state_layout(tx, params, mesh)))(params)
+    return jax.jit(tx.init, out_shardings=_shardings(abstract_opt_state(tx, params, mesh)))(params)
 
 
 def loss_and_grads(model: Transformer, params: Any, batch: Batch, accum_steps: int = 1) -> tuple[jax.Array, Any]:
@@ -114,11 +113,12 @@ def loss_and_grads(model: Transformer, params: Any, batch: Batch, accum_steps: i
 
 
 def make_train_step(
-    model: Transformer, tx: optax.GradientTransformation, accum_steps: int = 1, layout: tuple[Any, Any] | None = None
+    model: Transformer, tx: optax.GradientTransformation, accum_steps: int = 1,
+    abstract_state: tuple[Any, Any] | None = None,
 ) -> Callable:
     """(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm}); the old state's buffers are donated.
 
-    With `layout` (abstract params and optimizer state), the new state keeps exactly their shardings.
+    With `abstract_state` (abstract params and optimizer state), the new state keeps exactly their shardings.
     """
 
     def step(params: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, dict[str, jax.Array]]:
@@ -126,9 +126,9 @@ def make_train_step(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-    if layout is None:
+    if abstract_state is None:
         return jax.jit(step, donate_argnums=(0, 1))
-    params, opt_state = layout
+    params, opt_state = abstract_state
     scalars = replicated(jax.tree.leaves(params)[0].sharding.mesh)
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=(_shardings(params), _shardings(opt_state), scalars))
 
@@ -174,8 +174,8 @@ def compile_only(
     mesh = make_mesh(train_cfg.mesh, devices, dcn=train_cfg.dcn_mesh)
     check_batch(train_cfg, mesh)
     model, tx = make_model(model_cfg, train_cfg, mesh, seq_len, log), make_optimizer(train_cfg)
-    params = param_layout(model, seq_len, mesh)
-    opt_state = opt_state_layout(tx, params, mesh)
+    params = abstract_params(model, seq_len, mesh)
+    opt_state = abstract_opt_state(tx, params, mesh)
     step = make_train_step(model, tx, train_cfg.grad_accum_steps, (params, opt_state))
     device = mesh.devices.flat[0]
     target = f"{mesh.size} x {device.device_kind}"
@@ -229,6 +229,7 @@ def compile_only(
 def train(
     model_cfg: ModelConfig,
     train_cfg: TrainConfig,
+    settings: TrainSettings,
     dataset_dir: str | Path,
     run_dir: str | Path,
     init_params_dir: str | Path | None = None,
@@ -236,8 +237,9 @@ def train(
 ) -> dict[str, Any]:
     """Train to `train_cfg.steps`, resuming from the newest checkpoint in `run_dir`; returns summary stats.
 
-    In a multi-process run (see trainer.distributed) every process calls this; each reads its share of
-    the data and only process 0 writes metrics.
+    `train_cfg` is read for the fields that change the result only; checkpointing, logging and validation
+    follow `settings`. In a multi-process run (see trainer.distributed) every process calls this; each reads
+    its share of the data and only process 0 writes metrics.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -253,20 +255,20 @@ def train(
     if model_cfg.param_dtype != "float32":
         log(f"warning: model.param_dtype={model_cfg.param_dtype} keeps master weights and Adam moments in "
             f"{model_cfg.param_dtype}; for low-precision compute set model.dtype=bfloat16 and keep param_dtype float32")
-    layout = param_layout(model, seq_len, mesh)
-    opt_layout = opt_state_layout(tx, layout, mesh)
+    param_shapes = abstract_params(model, seq_len, mesh)
+    opt_shapes = abstract_opt_state(tx, param_shapes, mesh)
     primary = jax.process_index() == 0
     data = train_iterator(
         paths, train_cfg.batch_size // jax.process_count(), train_cfg.seed, jax.process_index(), jax.process_count(), fmt
     )
-    manager = checkpoint.train_checkpoints(run_dir, train_cfg.keep_checkpoints)
+    manager = checkpoint.train_checkpoints(run_dir, settings.keep_checkpoints)
     start = manager.latest_step() or 0
     if start:  # restored straight into place: no initial state is built first (it would double the memory)
-        params, opt_state = checkpoint.restore_train_state(manager, start, layout, opt_layout, data)
+        params, opt_state = checkpoint.restore_train_state(manager, start, param_shapes, opt_shapes, data)
         log(f"resumed from step {start}")
     else:
         if init_params_dir:
-            params = checkpoint.load_params(init_params_dir, layout)
+            params = param_reader.load_params(init_params_dir, param_shapes)
             log(f"initialised from {init_params_dir}")
         else:
             params = init_params(model, seq_len, train_cfg.seed, mesh)
@@ -279,45 +281,31 @@ def train(
     flops = metrics.train_flops_per_step(model_cfg, train_cfg.batch_size, seq_len)
     peak, peak_source = metrics.peak_flops_per_device()
     log(f"{flops / 1e9:,.1f} GFLOP per step; peak {peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
-    schedule = learning_rate_schedule(train_cfg)
-    step_fn = make_train_step(model, tx, train_cfg.grad_accum_steps, (layout, opt_layout))
-    sharding = batch_sharding(mesh)
-    metrics_log = metrics.MetricsLog(
-        run_dir / METRICS_FILE if primary else None, train_cfg.steps, train_cfg.log_every, log, resume_step=start,
-        tensorboard_dir=run_dir / TENSORBOARD_DIR if primary and train_cfg.tensorboard else None,
+    step_fn = make_train_step(model, tx, train_cfg.grad_accum_steps, (param_shapes, opt_shapes))
+    metrics_log = MetricsLog(
+        run_dir / METRICS_FILE if primary else None, train_cfg.steps, settings.log_every, log, resume_step=start,
+        tensorboard_dir=run_dir / TENSORBOARD_DIR if primary and settings.tensorboard else None,
     )
-    timing = _Timing(schedule, flops, peak, mesh.size, train_cfg.batch_size * seq_len)
-    # Each process would read the whole val split: in multi-process runs the eval step does validation.
-    val_paths = None
-    if train_cfg.eval_every and jax.process_count() == 1:
-        try:
-            val_paths = shard_paths(dataset_dir, "val")
-        except UserError:
-            log("no val shards: no validation loss during training")
-    pending: tuple[int, dict[str, jax.Array]] | None = None
+    step_log = StepLog(
+        metrics_log, learning_rate_schedule(train_cfg), flops, peak, mesh.size, train_cfg.batch_size * seq_len
+    )
+    validation = Validation(dataset_dir, model_cfg, settings, train_cfg.batch_size, mesh, log)
+    sharding = batch_sharding(mesh)
     with mesh, nn.logical_axis_rules(RULES):
         for step in range(start + 1, train_cfg.steps + 1):
-            # The global shape makes JAX refuse a mesh whose batch axes do not span the processes.
-            batch = {k: jax.make_array_from_process_local_data(sharding, v, (train_cfg.batch_size, *v.shape[1:]))
-                     for k, v in next(data).items()}
+            batch = _global_batch(next(data), sharding, train_cfg.batch_size)
             params, opt_state, out = step_fn(params, opt_state, batch)
-            if pending:  # read the previous step's metrics now, so logging never stalls the device
-                timing.record(metrics_log, *pending)
-            pending = (step, out)
-            if val_paths and step % train_cfg.eval_every == 0:
-                jax.block_until_ready(out)  # the step counts in its time, the validation after it does not
-                with timing.excluded():
-                    val = validation_loss(params, model_cfg, val_paths, train_cfg.batch_size, train_cfg.eval_batches, mesh)
-                pending = (step, {**out, "val_loss": jnp.float32(val["loss"])})
-            if step % train_cfg.checkpoint_every == 0 or step == train_cfg.steps:
+            step_log.add(step, out)
+            if validation.due(step):
+                step_log.validate(validation.loss, params)
+            if step % settings.checkpoint_every == 0 or step == train_cfg.steps:
                 # Saving waits for this step anyway; log it first so a checkpoint never precedes its step's row.
-                timing.record(metrics_log, *pending)
-                pending = None
+                step_log.flush()
                 checkpoint.save_train_state(manager, step, params, opt_state, data)  # written in the background
-                timing.tick = time.perf_counter()  # the next step's time leaves out starting the save
+                step_log.restart_clock()  # the next step's time leaves out starting the save
     manager.wait_until_finished()
     manager.close()
-    metrics_log.close()
+    step_log.close()
     summary = _run_summary(run_dir / METRICS_FILE, first_step=start + 2) if primary else {}
     return {
         "steps": train_cfg.steps,
@@ -332,31 +320,10 @@ def train(
     }
 
 
-class _Timing:
-    """Times each step from the previous step's end and adds throughput to its metrics."""
-
-    def __init__(self, schedule: optax.Schedule, flops: float, peak: float, devices: int, tokens: int):
-        self.schedule, self.flops, self.peak, self.devices, self.tokens = schedule, flops, peak, devices, tokens
-        self.tick = time.perf_counter()
-
-    @contextlib.contextmanager
-    def excluded(self) -> Iterator[None]:
-        """Leave the time spent inside out of the current step's time."""
-        start = time.perf_counter()
-        yield
-        self.tick += time.perf_counter() - start
-
-    def record(self, log: metrics.MetricsLog, step: int, out: dict[str, jax.Array]) -> None:
-        """Wait for a step's metrics and log them with its time, tokens/s, TFLOP/s per device and MFU."""
-        values = {k: float(v) for k, v in out.items()}
-        now = time.perf_counter()
-        seconds, self.tick = now - self.tick, now
-        tflops = self.flops / seconds / self.devices / 1e12
-        values.update(
-            learning_rate=float(self.schedule(step - 1)), step_time=seconds, tokens_per_s=self.tokens / seconds,
-            tflops_per_device=tflops, mfu=tflops * 1e12 / self.peak,
-        )
-        log.write(step, values)
+def _global_batch(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding, batch_size: int) -> Batch:
+    """This process's rows of a batch as one global array per key."""
+    # The global shape makes JAX refuse a mesh whose batch axes do not span the processes.
+    return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size, *v.shape[1:])) for k, v in local.items()}
 
 
 def _shardings(tree: Any) -> Any:

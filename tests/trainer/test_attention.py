@@ -15,7 +15,7 @@ from tests.trainer.test_train_step import _batch
 from trainer.attention import choose, flash_attention, xla_attention
 from trainer.model import Transformer, init_cache
 from trainer.sharding import RULES, batch_sharding, make_mesh
-from trainer.train import init_params, loss_and_grads, param_layout
+from trainer.train import abstract_params, init_params, loss_and_grads
 
 # Flash kernels sum the softmax block by block (online softmax) where XLA sums each row at once: float32
 # rounding (2^-24 relative per addition) differs by a few ulps of the largest value. Measured on these
@@ -93,7 +93,7 @@ def test_model_with_splash_on_a_mesh_matches_xla(preset: str, overrides: list[st
     batch = _documents_batch(4)
 
     def run(model: Transformer, mesh) -> tuple:
-        placed = jax.device_put(params, jax.tree.map(lambda x: x.sharding, param_layout(model, SEQ, mesh)))
+        placed = jax.device_put(params, jax.tree.map(lambda x: x.sharding, abstract_params(model, SEQ, mesh)))
         with mesh, nn.logical_axis_rules(RULES):
             step = jax.jit(lambda p, b: loss_and_grads(model, p, b))
             return jax.device_get(step(placed, jax.device_put(batch, batch_sharding(mesh))))

@@ -11,7 +11,7 @@ from configs import load_config
 from tests.trainer.test_train_step import _batch
 from trainer.model import Transformer
 from trainer.sharding import RULES, batch_sharding, make_mesh
-from trainer.train import init_params, loss_and_grads, param_layout
+from trainer.train import abstract_params, init_params, loss_and_grads
 
 SEQ = 32
 
@@ -29,7 +29,7 @@ def reference():
 
 def _run(model: Transformer, params, batch, axes: dict[str, int]):
     mesh = make_mesh(axes, jax.devices() if axes else jax.devices()[:1])
-    placed = jax.device_put(params, jax.tree.map(lambda x: x.sharding, param_layout(model, SEQ, mesh)))
+    placed = jax.device_put(params, jax.tree.map(lambda x: x.sharding, abstract_params(model, SEQ, mesh)))
     with mesh, nn.logical_axis_rules(RULES):
         step = jax.jit(lambda p, b: loss_and_grads(model, p, b))
         return jax.device_get(step(placed, jax.device_put(batch, batch_sharding(mesh))))

@@ -1,17 +1,23 @@
-"""The FLOP count behind MFU (6 x matmul parameters x tokens plus causal attention, as MaxText counts it) and
-the chip whose peak it is divided by."""
+"""The FLOP count behind MFU (6 x matmul parameters x tokens plus causal attention, as MaxText counts it), the
+chip whose peak it is divided by, and the metrics log (JSON lines and TensorBoard events) across a resume."""
 
+import json
+import struct
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 import pytest
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.record_writer import masked_crc32c
 
 from configs import load_config
 from trainer.accelerators import chip_of
 from trainer.metrics import train_flops_per_step
 from trainer.model import Transformer
+from trainer.run_log import MetricsLog
 
 
 def matmul_params(params: dict) -> int:
@@ -41,3 +47,57 @@ def test_flops_are_six_n_tokens_plus_attention(overrides: list[str]) -> None:
 def test_chips_are_named_by_their_device_kind(kind: str, chip: str | None) -> None:
     found = chip_of(SimpleNamespace(device_kind=kind))
     assert (found.name if found else None) == chip
+
+
+def read_events(path: Path) -> list[Event]:
+    """The Event protos of one TFRecord file, checksums checked; a record a killed run left half-written ends it."""
+    data, events, at = path.read_bytes(), [], 0
+    while at + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[at : at + 8])
+        end = at + 12 + length + 4
+        if end > len(data):
+            break
+        payload = data[at + 12 : end - 4]
+        assert struct.unpack("<I", data[at + 8 : at + 12])[0] == masked_crc32c(data[at : at + 8])
+        assert struct.unpack("<I", data[end - 4 : end])[0] == masked_crc32c(payload)
+        events.append(Event.FromString(payload))
+        at = end
+    return events
+
+
+def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} as TensorBoard shows it: files read in name order, and a SessionLog START at step s
+    (brain.Event:2 files) hiding the events read before it at steps >= s."""
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        for event in read_events(path):
+            if event.session_log.status == SessionLog.START:
+                scalars = {tag: [(s, v) for s, v in kept if s < event.step] for tag, kept in scalars.items()}
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def _row(loss: float) -> dict[str, float]:
+    return {"loss": loss, "learning_rate": 1e-3, "grad_norm": 1.0, "step_time": 0.5, "tokens_per_s": 100.0,
+            "tflops_per_device": 1.0, "mfu": 0.25}
+
+
+def test_a_resumed_log_drops_the_rows_and_hides_the_events_past_its_checkpoint(tmp_path: Path) -> None:
+    files = {"path": tmp_path / "metrics.jsonl", "tensorboard_dir": tmp_path / "tensorboard"}
+    killed = MetricsLog(total_steps=6, every=1, log=lambda _: None, **files)
+    for step in range(1, 6):  # a run killed after logging step 5, its last checkpoint at step 3
+        killed.write(step, _row(float(step)))
+    killed.close()
+    resumed = MetricsLog(total_steps=6, every=1, log=lambda _: None, resume_step=3, **files)
+    resumed.write(4, _row(40.0))
+    resumed.close()  # killed again, before step 5
+
+    rows = [json.loads(line) for line in files["path"].read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    first, _ = sorted(files["tensorboard_dir"].iterdir())
+    assert first.name.startswith("events.out.tfevents.") and read_events(first)[0].file_version == "brain.Event:2"
+    assert {e.step for e in read_events(first) if e.summary.value} == {1, 2, 3, 4, 5}  # the killed run's file is kept
+    shown = tensorboard_scalars(files["tensorboard_dir"])
+    assert set(shown) == set(_row(0.0))
+    assert shown["loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]  # its steps 4 and 5 are hidden

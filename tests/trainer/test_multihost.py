@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import UserError, load_config
-from tests.trainer.test_train_data import random_dataset
+from tests.trainer.test_train_data import random_dataset, split_train
 from trainer.distributed import cluster_args, initialize, vertex_cluster
 from trainer.train import train
 
@@ -27,9 +27,11 @@ from trainer import distributed
 assert distributed.initialize(), "expected a multi-process run"
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
 from configs import load_config
+from tests.trainer.test_train_data import split_train
 from trainer.train import train
 cfg = load_config("tiny", json.loads(sys.argv[3]))
-train(cfg.model, cfg.train, sys.argv[1], sys.argv[2], log=lambda line: print(jax.process_index(), line, flush=True))
+train(cfg.model, *split_train(cfg.train), sys.argv[1], sys.argv[2],
+      log=lambda line: print(jax.process_index(), line, flush=True))
 from trainer.sharding import make_mesh
 mesh = make_mesh(cfg.train.mesh, dcn=cfg.train.dcn_mesh)  # as train() made it: which process holds each position
 print("owners", json.dumps([[[d.process_index for d in r] for r in plane] for plane in mesh.devices]), flush=True)
@@ -79,7 +81,7 @@ def single_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[flo
     tmp = tmp_path_factory.mktemp("single")
     data = random_dataset(tmp / "data", rows=48, seq_len=32, vocab=512)
     cfg = load_config("tiny", OVERRIDES)
-    train(cfg.model, cfg.train, data, tmp / "run", log=lambda _: None)
+    train(cfg.model, *split_train(cfg.train), data, tmp / "run", log=lambda _: None)
     return data, [json.loads(line)["loss"] for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -1,4 +1,5 @@
-"""Exact resume after SIGKILL, restore onto another mesh, and refusing a checkpoint of another model."""
+"""Exact resume after SIGKILL (metrics and events past the checkpoint redone), restore onto another mesh, and refusing
+a checkpoint of another model."""
 
 from __future__ import annotations
 
@@ -16,24 +17,27 @@ import numpy as np
 import pytest
 
 from configs import UserError, load_config
-from tests.trainer.test_train_data import random_dataset
+from tests.trainer.test_metrics import tensorboard_scalars
+from tests.trainer.test_train_data import random_dataset, split_train
 from trainer import checkpoint
 from trainer.data import shard_paths, train_iterator
 from trainer.model import Transformer
 from trainer.optimizer import make_optimizer
 from trainer.sharding import make_mesh
-from trainer.train import init_params, opt_state_layout, param_layout, train
+from trainer.train import abstract_opt_state, abstract_params, init_params, train
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["train.steps=20", "train.batch_size=8", "train.warmup_steps=2", "train.checkpoint_every=5",
-             "train.log_every=1", "train.keep_checkpoints=2"]
+             "train.log_every=1", "train.keep_checkpoints=2", "train.eval_every=10"]
 # Trains like train(), but each log line takes 0.3 s, so the parent can kill it mid-run.
 SLOW_RUN = """
 import json, sys, time
 from configs import load_config
+from tests.trainer.test_train_data import split_train
 from trainer.train import train
 cfg = load_config("tiny", json.loads(sys.argv[3]))
-train(cfg.model, cfg.train, sys.argv[1], sys.argv[2], log=lambda line: (print(line, flush=True), time.sleep(0.3)))
+train(cfg.model, *split_train(cfg.train), sys.argv[1], sys.argv[2],
+      log=lambda line: (print(line, flush=True), time.sleep(0.3)))
 """
 
 
@@ -43,11 +47,13 @@ def _losses(run: Path) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """A dataset and an uninterrupted 20-step run on it."""
+    """A dataset and an uninterrupted 20-step run on it, validated every 10 steps."""
     root = tmp_path_factory.mktemp("resume")
     data = random_dataset(root / "data", rows=64, seq_len=32, vocab=512)
     cfg = load_config("tiny", OVERRIDES)
-    train(cfg.model, cfg.train, data, root / "reference", log=lambda _: None)
+    train(cfg.model, *split_train(cfg.train), data, root / "reference", log=lambda _: None)
+    rows = [json.loads(line) for line in (root / "reference" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [10, 20]
     return data, root / "reference"
 
 
@@ -59,7 +65,7 @@ def test_sigkilled_run_resumes_to_bitwise_identical_losses(reference, tmp_path: 
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 240
-    while not ((run / "checkpoints" / "5").is_dir() and _rows(run) >= 8):
+    while not ((run / "checkpoints" / "5").is_dir() and _rows(run) >= 8 and _last_event_step(run) > 5):
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         assert time.monotonic() < deadline, "the training subprocess made no progress"
         time.sleep(0.05)
@@ -70,15 +76,27 @@ def test_sigkilled_run_resumes_to_bitwise_identical_losses(reference, tmp_path: 
     (run / "checkpoints" / "15.orbax-checkpoint-tmp-1").mkdir()
 
     cfg = load_config("tiny", OVERRIDES)
-    summary = train(cfg.model, cfg.train, data, run, log=lambda _: None)
+    summary = train(cfg.model, *split_train(cfg.train), data, run, log=lambda _: None)
     assert summary["resumed_from"] in (5, 10)
     # Same params, optimizer state and data position restored, same compiled program: bitwise equal on CPU.
     assert _losses(run) == _losses(ref)
+    # TensorBoard shows each step once, as metrics.jsonl holds it: the killed run's events past the checkpoint
+    # are hidden. Its last second of events may never have reached its file.
+    rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    shown = tensorboard_scalars(run / "tensorboard")
+    steps = [s for s, _ in shown["step_time"]]
+    assert steps == sorted(set(steps)) and set(steps) >= set(range(summary["resumed_from"] + 1, 21))
+    for tag in ("loss", "step_time"):
+        assert shown[tag] == [(s, pytest.approx(rows[s][tag], rel=1e-6)) for s, _ in shown[tag]]
 
 
 def _rows(run: Path) -> int:
     path = run / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _last_event_step(run: Path) -> int:
+    return max((s for s, _ in tensorboard_scalars(run / "tensorboard").get("loss", [])), default=0)
 
 
 def test_resume_onto_another_mesh(reference, tmp_path: Path) -> None:
@@ -96,15 +114,15 @@ def test_resume_onto_another_mesh(reference, tmp_path: Path) -> None:
         params = init_params(model, 32, 1, mesh)
         manager = checkpoint.train_checkpoints(run)
         it = train_iterator(shard_paths(data, "train"), 8, 0)
-        layout = param_layout(model, 32, mesh)
-        opt_layout = opt_state_layout(tx, params, mesh)
-        restored[str(axes)] = checkpoint.restore_train_state(manager, 15, layout, opt_layout, it)
+        param_shapes = abstract_params(model, 32, mesh)
+        opt_shapes = abstract_opt_state(tx, params, mesh)
+        restored[str(axes)] = checkpoint.restore_train_state(manager, 15, param_shapes, opt_shapes, it)
         manager.close()
         kernel = restored[str(axes)][0]["layers"]["mlp"]["up_proj"]["kernel"]
         assert kernel.sharding.mesh.shape == mesh.shape
     jax.tree.map(np.testing.assert_array_equal, *map(jax.device_get, restored.values()))
 
-    summary = train(cfg.model, cfg.train, data, run, log=lambda _: None)
+    summary = train(cfg.model, *split_train(cfg.train), data, run, log=lambda _: None)
     assert summary["resumed_from"] == 15
     got, want = _losses(run), _losses(ref)
     assert [s for s, _ in got] == [s for s, _ in want]
@@ -118,4 +136,4 @@ def test_checkpoint_of_another_model_is_refused_by_name(reference, tmp_path: Pat
     shutil.copytree(ref, tmp_path / "run")
     cfg = load_config("tiny", OVERRIDES + ["train.steps=25", "model.mlp_dim=96"])
     with pytest.raises(UserError, match=r"3 parameter\(s\) differ: \['layers'\]\['mlp'\]\['down_proj'\]\['kernel'\]"):
-        train(cfg.model, cfg.train, data, tmp_path / "run", log=lambda _: None)
+        train(cfg.model, *split_train(cfg.train), data, tmp_path / "run", log=lambda _: None)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from configs import UserError, load_config
+from configs import TrainConfig, TrainSettings, UserError, load_config
 from trainer.data import eval_batches, record_format, sequence_length, shard_paths, to_example, train_iterator
 from trainer.evaluate import token_loss
 from trainer.model import Transformer
@@ -60,6 +60,14 @@ def random_dataset(directory: Path, rows: int, seq_len: int, vocab: int, seed: i
     write_shard(directory / "val-00000-of-00001.array_record", list(data[:4]))
     write_manifest(directory, seq_len, "concat")
     return directory
+
+
+def split_train(cfg: TrainConfig) -> tuple[TrainConfig, TrainSettings]:
+    """The train config as the pipeline hands it to train(): only the fields that version a training (reading
+    any other raises AttributeError), and the run settings apart."""
+    settings = set(TrainSettings.model_fields)
+    versioned = TrainConfig.model_construct(**cfg.model_dump(exclude=settings | {"continue_from"}))
+    return versioned, TrainSettings(**cfg.model_dump(include=settings))
 
 
 def test_document_record_masks_each_documents_last_target(tmp_path: Path) -> None:

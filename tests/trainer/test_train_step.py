@@ -1,9 +1,8 @@
-"""The train step's efficiency switches (accumulation, remat, bf16), compile_only, and TensorBoard events."""
+"""The train step's switches (accumulation, remat, bf16), compile_only, and a training's config split and events."""
 
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import jax
@@ -11,10 +10,10 @@ import jax.numpy as jnp
 import flax.linen as nn
 import numpy as np
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from configs import UserError, load_config
-from tests.trainer.test_train_data import pack_documents, write_manifest, write_shard
+from tests.trainer.test_metrics import read_events, tensorboard_scalars
+from tests.trainer.test_train_data import pack_documents, split_train, write_manifest, write_shard
 from trainer.model import Transformer
 from trainer.optimizer import make_optimizer
 from trainer.sharding import RULES, batch_sharding, make_mesh
@@ -97,50 +96,6 @@ def test_compile_only_reports_memory_without_data() -> None:
         compile_only(cfg.model, cfg.train.model_copy(update={"grad_accum_steps": 3}), 256, log=lambda _: None)
 
 
-def _event_classes():
-    """Event/Summary message classes built from their .proto field numbers by the protobuf runtime (not our encoder)."""
-    f = descriptor_pb2.FileDescriptorProto(name="test_event.proto", package="t", syntax="proto3")
-    T = descriptor_pb2.FieldDescriptorProto
-    value = f.message_type.add(name="Value")
-    value.field.add(name="tag", number=1, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
-    value.field.add(name="simple_value", number=2, type=T.TYPE_FLOAT, label=T.LABEL_OPTIONAL)
-    summary = f.message_type.add(name="Summary")
-    summary.field.add(name="value", number=1, type=T.TYPE_MESSAGE, type_name=".t.Value", label=T.LABEL_REPEATED)
-    event = f.message_type.add(name="Event")
-    event.field.add(name="wall_time", number=1, type=T.TYPE_DOUBLE, label=T.LABEL_OPTIONAL)
-    event.field.add(name="step", number=2, type=T.TYPE_INT64, label=T.LABEL_OPTIONAL)
-    event.field.add(name="file_version", number=3, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
-    event.field.add(name="summary", number=5, type=T.TYPE_MESSAGE, type_name=".t.Summary", label=T.LABEL_OPTIONAL)
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(f)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("t.Event"))
-
-
-def _crc32c(data: bytes) -> int:
-    """Bitwise CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), independent of google_crc32c."""
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-    return crc ^ 0xFFFFFFFF
-
-
-def read_events(path: Path) -> list:
-    """Parse a TFRecord file of Event protos, checking every masked CRC."""
-    event_cls, data, events, at = _event_classes(), path.read_bytes(), [], 0
-    masked = lambda b: ((((c := _crc32c(b)) >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF  # noqa: E731
-    while at < len(data):
-        header = data[at : at + 8]
-        (length,), (hcrc,) = struct.unpack("<Q", header), struct.unpack("<I", data[at + 8 : at + 12])
-        payload = data[at + 12 : at + 12 + length]
-        (pcrc,) = struct.unpack("<I", data[at + 12 + length : at + 16 + length])
-        assert hcrc == masked(header) and pcrc == masked(payload)
-        events.append(event_cls.FromString(payload))
-        at += 16 + length
-    return events
-
-
 def test_train_on_documents_with_accumulation_remat_and_tensorboard(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     data = tmp_path / "data"
@@ -150,14 +105,17 @@ def test_train_on_documents_with_accumulation_remat_and_tensorboard(tmp_path: Pa
     write_shard(data / "train-00000-of-00001.array_record", rows)
     cfg = _cfg("train.steps=4", "train.warmup_steps=1", "train.batch_size=16", "train.grad_accum_steps=2",
                "train.remat=minimal", "train.checkpoint_every=4")
-    summary = train(cfg.model, cfg.train, data, tmp_path / "run", log=lambda _: None)
+    # As the pipeline calls it: a train config of the versioned fields only (train() reads no other), settings apart.
+    versioned, settings = split_train(cfg.train)
+    with pytest.raises(AttributeError):
+        versioned.log_every  # noqa: B018
+    summary = train(cfg.model, versioned, settings, data, tmp_path / "run", log=lambda _: None)
     assert summary["packing"] == "documents"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     (events_file,) = (tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*")
-    events = read_events(events_file)
-    assert events[0].file_version == "brain.Event:2"
-    scalars = {(e.step, v.tag): v.simple_value for e in events[1:] for v in e.summary.value}
-    for r in rows:
-        assert scalars[(r["step"], "loss")] == pytest.approx(r["loss"], rel=1e-6)  # stored as float32
-        assert scalars[(r["step"], "mfu")] == pytest.approx(r["mfu"], rel=1e-6)
+    assert read_events(events_file)[0].file_version == "brain.Event:2"
+    scalars = tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    assert set(scalars) == set(rows[0]) - {"step"}
+    for tag in ("loss", "mfu"):  # stored as float32
+        assert scalars[tag] == [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in rows]
