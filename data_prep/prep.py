@@ -46,8 +46,7 @@ def prepare(
 
     start = time.time()
     options = pipeline.pipeline_options(list(beam_args))
-    if not pipeline.is_direct(options):  # remote workers cannot see this task's Cloud Storage mount: use gs://
-        out_dir = mounted_url(out_dir)
+    out_dir = beam_target(out_dir, options)
     remote = storage.is_url(out_dir)
     out = str(out_dir).rstrip("/") if remote else Path(out_dir)
     sources = resolve_sources(cfg.input)
@@ -93,6 +92,13 @@ def prepare(
         f"{tokens:,} tokens ({tokens / seconds:,.0f} tokens/s)"
     )
     return stats
+
+
+def beam_target(out_dir: str | Path, options: PipelineOptions) -> str | Path:
+    """Where Beam writes: a remote runner's workers cannot see this task's Cloud Storage mount, so gs:// itself."""
+    from data_prep import pipeline
+
+    return out_dir if pipeline.is_direct(options) else mounted_url(out_dir)
 
 
 def _tokenizer(
