@@ -37,7 +37,7 @@ def train_on_custom_job(
 
     The launcher holds the output's lease while the job's hosts (which run without it) train.
     """
-    with claimed(step, Path(out), log) as done:
+    with claimed(step, Path(out), log) as (done, _):
         if done is not None:
             log(f"[train] cache hit: version {step.version} is complete at {out}")
             return done

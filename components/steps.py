@@ -131,8 +131,9 @@ def plan_eval(cfg: Config, model_dir: str | Path, dataset_dir: str | Path, log: 
 
 
 @contextlib.contextmanager
-def claimed(step: Step, out: Path, log: Log = print) -> Iterator[dict[str, Any] | None]:
-    """Hold the lease on `out` for `step`'s version; yields its manifest if it is (or becomes) complete, else None.
+def claimed(step: Step, out: Path, log: Log = print) -> Iterator[tuple[dict[str, Any] | None, lease.Lease | None]]:
+    """Hold the lease on `out` for `step`'s version; yields (its manifest, None) if it is (or becomes) complete,
+    else (None, the lease).
 
     While another run holds the lease this waits for it (a cache hit when it finishes) or takes over
     a lease whose holder died. With the lease held, what an unfinished attempt left is cleared,
@@ -143,7 +144,7 @@ def claimed(step: Step, out: Path, log: Log = print) -> Iterator[dict[str, Any] 
                     log=log) as (done, held):
         if held is not None and not step.keep_partial:
             clear_partial(out)
-        yield done if done is not None else None
+        yield done, held
 
 
 def execute(step: Step, out_dir: str | Path, log: Log = print, primary: bool = True, leased: bool = True) -> dict[str, Any]:
@@ -159,15 +160,15 @@ def execute(step: Step, out_dir: str | Path, log: Log = print, primary: bool = T
     if not leased:
         done = check_output(out, step.version)
         out.mkdir(parents=True, exist_ok=True)
-        return done if done is not None else _run(step, out, log, primary)
-    with claimed(step, out, log) as done:
+        return done if done is not None else _run(step, out, log, primary, None)
+    with claimed(step, out, log) as (done, held):
         if done is not None:
             log(f"[{step.name}] cache hit: version {step.version} is complete at {out}")
             return done
-        return _run(step, out, log, primary)
+        return _run(step, out, log, primary, held)
 
 
-def _run(step: Step, out: Path, log: Log, primary: bool) -> dict[str, Any]:
+def _run(step: Step, out: Path, log: Log, primary: bool, held: lease.Lease | None) -> dict[str, Any]:
     version = step.version
     log(f"[{step.name}] version {version} -> {out}")
     start = time.perf_counter()
@@ -175,6 +176,8 @@ def _run(step: Step, out: Path, log: Log, primary: bool) -> dict[str, Any]:
     stats["seconds"] = round(time.perf_counter() - start, 2)
     if not primary:
         return {"version": version, "stats": stats}
+    if held is not None:
+        held.check()  # a run that was silent past the lease timeout has been replaced: it must not publish
     manifest = publish(
         out, kind=step.kind, step=step.name, version=version, code=step.code,
         config={k: versions.plain(v) for k, v in step.config.items()},

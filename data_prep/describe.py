@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from configs import UserError
+from contract.manifest import MANIFEST, read_manifest
 from contract.records import PAD
 from data_prep.pack import read_shard
 from data_prep.tokenizer import Encoder
@@ -16,10 +16,9 @@ from data_prep.tokenizer import Encoder
 def describe_dataset(directory: str | Path, samples: int = 2, sample_chars: int = 400) -> str:
     """A readable report: counts, padding, skips, document lengths (histogram) and decoded samples."""
     directory = Path(directory)
-    manifest_path = directory / "manifest.json"
-    if not manifest_path.is_file():
-        raise UserError(f"{directory} is not a complete dataset (no manifest.json)")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_manifest(directory)
+    if manifest is None:
+        raise UserError(f"{directory} is not a complete dataset (no {MANIFEST})")
     stats = manifest.get("stats", manifest)
     if "shards" not in stats:
         raise UserError(f"{directory} holds a {manifest.get('kind', 'non-dataset')} artifact, not a dataset")

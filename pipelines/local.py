@@ -37,8 +37,10 @@ def filtered_stderr(noise: tuple[str, ...] = NOISE) -> Iterator[None]:
     os.dup2(write, 2)
     os.close(write)
 
+    copy = os.dup(saved)  # the pump's own, taken before `saved` can be closed
+
     def pump() -> None:
-        with os.fdopen(read, "rb") as pipe, os.fdopen(os.dup(saved), "wb", buffering=0) as out:
+        with os.fdopen(read, "rb") as pipe, os.fdopen(copy, "wb", buffering=0) as out:
             for line in pipe:
                 if not any(n.encode() in line for n in noise):
                     out.write(line)
