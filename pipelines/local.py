@@ -139,6 +139,7 @@ class _Filter(io.TextIOBase):
     def __init__(self, out: Any, errors: list[str], verbose: bool):
         self.out, self.error_lines, self.verbose = out, errors, verbose
         self.buffer, self.dump_end = "", None  # dump_end: the line that closes the executor_input JSON
+        self.in_outputs = False  # inside kfp.local's listing of a task's output artifacts (the summary has them)
 
     def write(self, text: str) -> int:
         self.buffer += text
@@ -166,6 +167,13 @@ class _Filter(io.TextIOBase):
                     self.dump_end = line.replace("{", "}").rstrip()
                 elif line.rstrip() == self.dump_end:
                     self.dump_end = None
+                return
+            if self.in_outputs:
+                if not stripped.startswith("-----"):
+                    return
+                self.in_outputs = False
+            if " - INFO - Task " in line and stripped.endswith("outputs:"):
+                self.in_outputs = True
                 return
             if stripped.startswith("[KFP Executor") or not stripped or any(n in line for n in NOISE):
                 return

@@ -163,3 +163,35 @@ def test_topology_needs_compile_only_and_a_known_slice(capsys):
     assert code == 1 and "add --compile-only" in one_error_line(err)
     code, out, err = maxpipe(capsys, "train", "tiny", "--compile-only", "--topology", "v9-8")
     assert code == 1 and "unknown TPU slice 'v9-8'" in one_error_line(err)
+
+
+def test_local_run_output_keeps_the_steps_lines_and_drops_kfp_listings() -> None:
+    """Without --debug, kfp.local's executor dumps and output-artifact listings are dropped; step lines and errors stay."""
+    import io
+
+    from pipelines.local import _Filter
+
+    kfp_log = """04:27:19.550 - INFO - Executing task 'train'
+04:27:19.550 - INFO - Streamed logs:
+    [KFP Executor 2026-11-24 04:27:20,000 INFO]: Got executor_input:
+    {
+        "inputs": {}
+    }
+    [train] version b4ea1de5df13 -> /runs/store/train/b4ea1de5df13
+    maxpipe error: something went wrong
+04:27:19.548 - INFO - Task 'train' outputs:
+    checkpoints: Model( name='checkpoints',
+                        metadata={'config': {'model': {}}} )
+--------------------------------------------------------------------------------
+04:27:30.000 - INFO - Executing task 'export'
+"""
+    out, errors = io.StringIO(), []
+    sink = _Filter(out, errors, verbose=False)
+    sink.write(kfp_log)
+    sink.flush()
+    assert out.getvalue().splitlines() == [
+        "04:27:19.550 - INFO - Executing task 'train'", "04:27:19.550 - INFO - Streamed logs:",
+        "    [train] version b4ea1de5df13 -> /runs/store/train/b4ea1de5df13", "    maxpipe error: something went wrong",
+        "-" * 80, "04:27:30.000 - INFO - Executing task 'export'",
+    ]
+    assert errors == ["something went wrong"]
