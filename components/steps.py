@@ -143,7 +143,7 @@ def claimed(step: Step, out: Path, log: Log = print) -> Iterator[tuple[dict[str,
     with lease.held(mounted_url(out), what, lambda: check_output(out, step.version), timeout=step.lease_timeout,
                     log=log) as (done, held):
         if held is not None and not step.keep_partial:
-            clear_partial(out)
+            clear_partial(out, keep=lease.LEASE_DIR)
         yield done, held
 
 

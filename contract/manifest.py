@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from configs import UserError
-from contract.lease import LEASE_DIR
 
 MANIFEST = "manifest.json"
 GCS_MOUNT = "/gcs/"  # where Vertex AI mounts Cloud Storage (Cloud Storage FUSE) inside every step and job
@@ -61,12 +60,12 @@ def check_output(directory: str | Path, version: str) -> dict[str, Any] | None:
     return manifest
 
 
-def clear_partial(directory: str | Path) -> None:
-    """Remove what an unfinished attempt left in `directory`, except the lease (its holder is the caller)."""
+def clear_partial(directory: str | Path, keep: str) -> None:
+    """Remove what an unfinished attempt left in `directory`, except the entry `keep` (the caller's lease)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for entry in directory.iterdir():
-        if entry.name != LEASE_DIR:
+        if entry.name != keep:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 

@@ -15,7 +15,7 @@ from contract.manifest import MANIFEST
 from configs import load_config
 from pipelines.local import run_local, summary
 from trainer.data import shard_paths
-from trainer.evaluate import validation_loss
+from trainer.loss import validation_loss
 from trainer.model import Transformer
 from trainer.sharding import make_mesh
 from trainer.train import init_params

@@ -14,7 +14,7 @@ from tensorboardX import SummaryWriter
 
 from configs import ModelConfig, TrainSettings, UserError
 from trainer.data import shard_paths
-from trainer.evaluate import validation_loss
+from trainer.loss import validation_loss
 
 
 class MetricsLog:

@@ -19,7 +19,7 @@ from configs import ModelConfig, TrainConfig, TrainSettings, UserError
 from trainer import attention, checkpoint, metrics, param_reader
 from trainer.accelerators import memory_of
 from trainer.data import format_of, sequence_length, shard_paths, train_iterator
-from trainer.evaluate import token_loss
+from trainer.loss import token_loss
 from trainer.model import Transformer, param_count
 from trainer.optimizer import learning_rate_schedule, make_optimizer
 from trainer.run_log import MetricsLog, StepLog, Validation

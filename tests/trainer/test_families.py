@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from configs import UserError, load_config
 from tests.trainer.hf_models import FAMILIES, VOCAB, tiny_model
 from trainer.decode import generate_batch
-from trainer.evaluate import token_loss
+from trainer.loss import token_loss
 from trainer.export import export_hf
 from trainer.hf_config import check_hf_config, hf_config_from_model, model_config_from_hf, read_hf_config
 from trainer.ingest import ingest, load_hf_params
