@@ -6,8 +6,8 @@ generation-conditioned create, `ifGenerationMatch=0`, on `gs://` through gcsfs),
 exactly one gets each number. The holder rewrites its file as a heartbeat; a run that finds a
 higher number than its own has lost the lease. A waiter takes the lease over when the holder
 released it, when the holder's heartbeat has not changed for `timeout` seconds of the waiter's own
-clock (no clocks are compared across machines), or at once when the holder was a process on this
-machine that no longer exists. Only the newest file counts; the older ones stay as the record.
+clock (no clocks are compared across machines; at least four of the holder's beat intervals), or at
+once when the holder was a process on this machine that no longer exists. Only the newest file counts; the older ones stay as the record.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _now() -> str:
 @dataclass
 class _Record:
     epoch: int
-    body: dict[str, Any]  # {holder, host, pid, what, since, beat, released}; {} while the file is being written
+    body: dict[str, Any]  # {holder, host, pid, what, since, beat, beat_every, released}; {} while being written
 
 
 class _Files:
@@ -184,18 +184,21 @@ def held(
         if state != seen:
             seen, seen_at = state, now
         gone = _holder_gone(body)
-        free = newest is None or body.get("released") or gone or now - seen_at >= timeout
+        # A holder started with a longer timeout beats less often: never take its lease between two beats.
+        limit = max(timeout, 4 * body.get("beat_every", 0))
+        free = newest is None or body.get("released") or gone or now - seen_at >= limit
         if free:
             if newest is not None and not body.get("released"):
                 why = "which has exited" if gone else f"silent for {now - seen_at:.0f}s"
                 log(f"taking over {what} from {body.get('holder', 'a run')}, {why}")
+            every = max(timeout / 4, 0.05)
             mine = {"holder": holder, "host": socket.gethostname(), "pid": os.getpid(), "what": what,
-                    "since": _now(), "beat": 0, "released": False}
+                    "since": _now(), "beat": 0, "beat_every": every, "released": False}
             if files.create(epoch + 1, mine):
                 result = done()  # finished between our check and our create: nothing to do
-                lease = Lease(files, epoch + 1, mine, max(timeout / 4, 0.05), log)
+                lease = Lease(files, epoch + 1, mine, every, log)
                 if result is not None:
-                    lease.release(finished=False)
+                    lease.release(finished=True)
                     yield result, None
                     return
                 finished = False

@@ -134,3 +134,25 @@ def test_heartbeats_keep_a_slow_holder_alive(output):
             lease._holder_gone = saved
     thread.join(10)
     assert taken == [("done", False)]
+
+
+def test_a_waiter_with_a_shorter_timeout_waits_for_the_holders_own_beats(output):
+    """A holder started with a longer lease_timeout beats less often: a waiter allows it four beat intervals."""
+    fs, root = fsspec.core.url_to_fs(output)
+    slow = {"holder": "ci@elsewhere:7", "host": "elsewhere", "pid": 7, "what": "train v1", "since": "then",
+            "beat": 0, "beat_every": 30.0, "released": False}
+    fs.makedirs(f"{root}/{lease.LEASE_DIR}", exist_ok=True)
+    fs.pipe_file(f"{root}/{lease.LEASE_DIR}/000001.json", json.dumps(slow).encode())
+    got = []
+
+    def wait() -> None:
+        with lease.held(output, "train v1", finished(output), timeout=0.2, poll=0.05, log=lambda _: None) as (d, h):
+            got.append(h.epoch)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(1.0)  # five of the waiter's timeouts, far fewer than four of the holder's beats
+    assert not got
+    fs.pipe_file(f"{root}/{lease.LEASE_DIR}/000001.json", json.dumps({**slow, "released": True}).encode())
+    thread.join(10)
+    assert got == [2]
