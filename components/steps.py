@@ -229,7 +229,7 @@ def latest_export(store: str | Path, cfg: Config, dataset_dir: str | Path) -> Pa
     model = versions.plain(cfg.model)
     candidates = []
     for path in (Path(store) / "export").glob(f"*/{MANIFEST}"):
-        export = json.loads(path.read_text())
+        export = read_manifest(path.parent)
         trained = read_manifest(export["inputs"][0]["uri"])
         if export["config"]["model"] == model and trained and trained["inputs"][0]["version"] != dataset:
             candidates.append((export["created"], export["version"], path.parent))

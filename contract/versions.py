@@ -18,7 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-OURS = ("contract", "data_prep", "trainer", "components", "cloud", "pipelines")
+OURS = ("configs", "contract", "data_prep", "trainer", "components", "cloud", "pipelines")
+UNHASHED = "configs"  # its values are hashed, not its code
 
 
 def only(section: BaseModel, fields: set[str] | list[str]) -> BaseModel:
@@ -55,16 +56,14 @@ def code_version(module: str) -> str:
 @cache
 def modules_run(module: str) -> tuple[str, ...]:
     """`module` and the modules of ours it imports, transitively, with their packages' `__init__`s; sorted."""
+    parts = module.split(".")
     seen: set[str] = set()
-    todo = [module]
+    todo = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]  # importing a.b runs a/__init__.py
     while todo:
         name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        parts = name.split(".")
-        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # importing a.b runs a/__init__.py
-        todo += _imports(name)
+        if name not in seen and not name.startswith(UNHASHED):
+            seen.add(name)
+            todo += imports_of(name)
     return tuple(sorted(seen))
 
 
@@ -89,21 +88,25 @@ def _is_module(name: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def _imports(name: str) -> list[str]:
-    """The modules of ours that module `name` imports anywhere in its source."""
+def imports_of(name: str) -> set[str]:
+    """The modules of ours that module `name` imports anywhere in its source (inside functions too), with the
+    packages that importing them runs; not `name` itself nor its own packages."""
     source = _source(name)
-    tree = ast.parse(source.read_text())
     package = name if source.name == "__init__.py" else name.rpartition(".")[0]
-    found = []
-    for node in ast.walk(tree):
+    targets: list[str] = []
+    for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):
-            found += [alias.name for alias in node.names if _ours(alias.name)]
+            targets += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from . import x
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            if not _ours(base):
-                continue
-            found.append(base)
-            found += [f"{base}.{alias.name}" for alias in node.names if _is_module(f"{base}.{alias.name}")]
-    return found
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name`, the module itself.
+            targets += [f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base for a in node.names]
+    found = set()
+    for target in targets:
+        if _ours(target):
+            parts = target.split(".")
+            found |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return {m for m in found if m != name and not name.startswith(m + ".")}

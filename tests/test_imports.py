@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from contract.versions import imports_of
 
 ROOT = Path(__file__).resolve().parents[1]
 # Each package and the packages of ours it may import (besides itself), lowest layer first.
@@ -20,44 +21,19 @@ ALLOWED = {
 }
 
 
-def module_names() -> dict[str, Path]:
+def module_names() -> list[str]:
     """Every module of our packages by dotted name (a package by its own name)."""
-    modules = {}
+    names = []
     for package in ALLOWED:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return modules
-
-
-def imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """Our modules that `name` imports anywhere in its source (at module level or inside functions)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            # `from pkg import mod` imports the module pkg.mod; `from mod import name`, the module itself.
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-        else:
-            continue
-        for target in targets:
-            parts = target.split(".")
-            # Importing a.b.c runs a, a.b and a.b.c: each of ours is an edge (a module's own package aside).
-            found |= {m for i in range(1, len(parts) + 1) if (m := ".".join(parts[:i])) in modules}
-    found.discard(name)
-    return {m for m in found if not name.startswith(m + ".")}
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
 
 
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
-    modules = module_names()
-    return {name: imported(name, path, modules) for name, path in modules.items()}
+    return {name: imports_of(name) for name in module_names()}
 
 
 def test_the_packages_are_found(graph: dict[str, set[str]]) -> None:

@@ -92,10 +92,14 @@ def test_editing_the_model_reruns_train_export_and_eval(trees):
     assert "prep" not in changed(trees["same"], trees["model"])
 
 
-def test_run_settings_do_not_version_training_but_its_math_does(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    publish(data, kind="dataset", step="prep", version="d", code="c", config={}, settings={}, inputs=[], stats={})
+@pytest.fixture
+def data(tmp_path) -> Path:
+    """A stand-in complete dataset for planning training against."""
+    publish(tmp_path, kind="dataset", step="prep", version="d", code="c", config={}, settings={}, inputs=[], stats={})
+    return tmp_path
+
+
+def test_run_settings_do_not_version_training_but_its_math_does(data):
     base = steps.plan_train(load_config("tiny", []), data).version
     for setting in ("train.log_every=1", "train.tensorboard=false", "train.checkpoint_every=7",
                     "train.keep_checkpoints=5", "train.eval_every=3", "train.eval_batches=2"):
@@ -104,11 +108,8 @@ def test_run_settings_do_not_version_training_but_its_math_does(tmp_path):
         assert steps.plan_train(load_config("tiny", [change]), data).version != base, change
 
 
-def test_a_steps_work_reads_only_what_versions_it(tmp_path):
+def test_a_steps_work_reads_only_what_versions_it(data):
     """Reading a run setting from the train config the work gets is an error, not a silent unversioned input."""
-    data = tmp_path / "data"
-    data.mkdir()
-    publish(data, kind="dataset", step="prep", version="d", code="c", config={}, settings={}, inputs=[], stats={})
     step = steps.plan_train(load_config("tiny", []), data)
     train_cfg = step.work.keywords["train_cfg"]
     assert train_cfg.learning_rate > 0
