@@ -23,28 +23,68 @@ def available(kind: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yml"))
 
 
-def load_config(preset: str | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The validated config for a preset and `key=value` overrides."""
-    preset = preset or DEFAULT_PRESET
-    if preset not in available("presets"):
-        raise ConfigError(f"unknown preset {preset!r}{_suggest(preset, available('presets'))}")
+def load_config(
+    preset: str | None = None, overrides: Sequence[str] = (), model: dict[str, Any] | None = None,
+) -> Config:
+    """The validated config for a preset and `key=value` overrides.
+
+    `model` (a model section, e.g. derived from a HF checkpoint) stands in for the model file; the preset's and
+    the overrides' `model.*` keys still apply on top of it.
+    """
+    return validate(_resolve(preset, overrides, model))
+
+
+def names_model(preset: str | None, overrides: Sequence[str]) -> bool:
+    """Whether the overrides (`model=NAME`) or a preset given by name pick a model file (the default preset's
+    model is only a default)."""
+    trees = [_override_tree([parse_override(item) for item in overrides])]
+    if preset:
+        trees.append(_read_preset(preset))
+    return any(_model_name(tree) for tree in trees)
+
+
+def setting(preset: str | None, overrides: Sequence[str], key: str) -> Any:
+    """The value of a dotted key (`pipeline.hf_checkpoint`) after merging and overrides, before validation."""
+    value: Any = _resolve(preset, overrides, None)
+    for part in key.split("."):
+        value = value[part]
+    return value
+
+
+def _resolve(preset: str | None, overrides: Sequence[str], model: dict[str, Any] | None) -> dict[str, Any]:
+    """base.yml <- the model file (or `model`) <- the preset <- the overrides, as a plain tree."""
     merged = _read_yaml(CONFIG_DIR / "base.yml")
-    preset_tree = _read_yaml(CONFIG_DIR / "presets" / f"{preset}.yml")
+    preset_tree = _read_preset(preset or DEFAULT_PRESET)
     parsed = [parse_override(item) for item in overrides]
-    override_tree: dict[str, Any] = {}
-    for path, value in parsed:
-        _set(override_tree, path, value)
-    named = [_model_name(tree) for tree in (override_tree, preset_tree)]
-    model_name = next((n for n in named if n), merged["model"]["name"])
-    if model_name not in available("models"):
-        raise ConfigError(f"model: unknown model {model_name!r}{_suggest(model_name, available('models'))}")
-    for tree in ({"model": _read_yaml(CONFIG_DIR / "models" / f"{model_name}.yml")}, preset_tree):
+    # _model_name also turns a preset's `model: NAME` into an empty section, so that it merges.
+    named = [_model_name(tree) for tree in (_override_tree(parsed), preset_tree)]
+    if model is None:
+        model_name = next((n for n in named if n), merged["model"]["name"])
+        if model_name not in available("models"):
+            raise ConfigError(f"model: unknown model {model_name!r}{_suggest(model_name, available('models'))}")
+        model = _read_yaml(CONFIG_DIR / "models" / f"{model_name}.yml")
+    else:
+        model_name = model["name"]
+    for tree in ({"model": model}, preset_tree):
         _merge(merged, tree)
     # Each override sets what it names: `train.mesh={fsdp: -1}` the whole mesh, `train.mesh.fsdp=2` one axis.
     for path, value in parsed:
         _set(merged, path, value)
     merged["model"]["name"] = model_name
-    return validate(merged)
+    return merged
+
+
+def _read_preset(preset: str) -> dict[str, Any]:
+    if preset not in available("presets"):
+        raise ConfigError(f"unknown preset {preset!r}{_suggest(preset, available('presets'))}")
+    return _read_yaml(CONFIG_DIR / "presets" / f"{preset}.yml")
+
+
+def _override_tree(parsed: Sequence[tuple[list[str], Any]]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, value in parsed:
+        _set(tree, path, value)
+    return tree
 
 
 def validate(tree: dict[str, Any]) -> Config:

@@ -37,7 +37,7 @@ class ModelConfig(_Section):
     init_std: PosFloat
     dtype: Dtype
     param_dtype: Dtype
-    family: Literal["llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3"]
+    family: Literal["llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
     activation: Literal["silu", "gelu_tanh"]
     norm_plus_one: bool
     scale_embeddings: bool
@@ -55,6 +55,22 @@ class ModelConfig(_Section):
     rope_high_freq_factor: PosFloat
     rope_original_max_len: PosInt
     attention: Literal["auto", "xla", "cudnn", "splash"]
+    num_experts: NonNegInt
+    experts_per_token: PosInt
+    expert_mlp_dim: NonNegInt
+    router_renormalize: bool
+    load_balance_weight: NonNegFloat
+    capacity_factor: NonNegFloat
+
+    @property
+    def moe(self) -> bool:
+        """Whether the MLPs are Mixtures of Experts."""
+        return self.num_experts > 0
+
+    @property
+    def expert_width(self) -> int:
+        """Hidden width of one expert's MLP."""
+        return self.expert_mlp_dim or self.mlp_dim
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -66,6 +82,8 @@ class ModelConfig(_Section):
             raise ValueError(f"model.head_dim ({self.head_dim}) must be even for RoPE")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor for llama3 RoPE scaling")
+        if self.moe and self.experts_per_token > self.num_experts:
+            raise ValueError(f"model.experts_per_token ({self.experts_per_token}) exceeds model.num_experts ({self.num_experts})")
         return self
 
 
@@ -118,8 +136,8 @@ class TrainConfig(TrainSettings):
     b2: Fraction
     grad_clip: NonNegFloat
     seed: int
-    mesh: dict[Literal["data", "fsdp", "tensor"], int]
-    dcn_mesh: dict[Literal["data", "fsdp", "tensor"], int]
+    mesh: dict[Literal["data", "fsdp", "expert", "tensor"], int]
+    dcn_mesh: dict[Literal["data", "fsdp", "expert", "tensor"], int]
     remat: Literal["none", "minimal", "full"]
     grad_accum_steps: PosInt
     continue_from: Literal["", "latest_export"]

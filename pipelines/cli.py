@@ -12,6 +12,9 @@
     maxpipe schedule create|list|pause|resume|delete ...
     maxpipe lineage show REF | list | rebuild ROOT
     maxpipe data inspect DATASET_DIR
+
+Without model=NAME (or a preset given by name that names a model), the model config is the one of the artifact
+a step starts from (init=, src=), else the HF checkpoint's (ingest's src=, pipeline.hf_checkpoint).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import os
 import sys
 from typing import Any, Sequence
 
-from configs import Config, UserError, available, load_config
+from configs import Config, UserError, available
+from pipelines.model_source import resolve_config
 
 # The artifact directories each single step reads and writes (`dst` is an alias of `output`).
 STEP_PATHS = {
@@ -119,7 +123,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if getattr(args, "topology", "") and not compile_only:
         raise UserError("--topology compiles for a TPU slice this machine does not have: add --compile-only")
     preset, overrides, paths = _split_items(args.items, STEP_PATHS.get(args.command, ()), required=not compile_only)
-    cfg = load_config(preset, overrides)
+    start = paths.get("init" if args.command == "train" else "src")  # the input the step starts from
+    if args.command == "ingest":
+        cfg = resolve_config(preset, overrides, hf_dir=start)
+    else:
+        cfg = resolve_config(preset, overrides, artifact=start)
     if compile_only:
         fits = _compile_train(cfg, paths.get("dataset"), args.topology)
         return 0 if fits is not False else 1

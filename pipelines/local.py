@@ -91,8 +91,15 @@ def preflight(cfg: Config) -> None:
 
     resolve_inputs(cfg.data.input)
     tokenizer = tokenizer_source(cfg)
+    key = "data.tokenizer" if cfg.data.tokenizer else "pipeline.hf_checkpoint"
     if tokenizer and not Path(tokenizer).exists():
-        raise UserError(f"data.tokenizer: {tokenizer} does not exist")
+        raise UserError(f"{key}: {tokenizer} does not exist")
+    if tokenizer and Path(tokenizer).is_dir():
+        from data_prep.tokenizer import HF_FILE, SP_FILE
+
+        if not any((Path(tokenizer) / name).is_file() for name in (HF_FILE, SP_FILE)):
+            raise UserError(f"{key}: {tokenizer} holds no tokenizer ({HF_FILE} or {SP_FILE}); "
+                            "give one with data.tokenizer=PATH")
     if cfg.pipeline.hf_checkpoint:
         from trainer.hf_config import check_hf_config, read_hf_config
 

@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from cloud.vertex_api import one_line
-from configs import UserError, load_config, parse_override
+from configs import UserError, parse_override
 from pipelines import kfp_target, vertex
+from pipelines.model_source import resolve_config
 
 
 def remote_main(argv: Sequence[str]) -> int:
@@ -91,7 +92,7 @@ def _submit_or_create(command: str, args: argparse.Namespace, kfp: bool, where: 
     preset, overrides = _preset_and_overrides(args.items)
     if args.pipeline_root and not any(parse_override(o)[0] == ["pipeline", "root"] for o in overrides):
         overrides.append(f"pipeline.root={args.pipeline_root}")  # the steps write under the run's root
-    cfg = load_config(preset, overrides)
+    cfg = resolve_config(preset, overrides)  # without model=NAME, pipeline.hf_checkpoint's model
     if kfp and cfg.resources.train.custom_job:
         raise UserError("multi-host training (resources.train.replicas > 1 or tpu_topology) runs as a Vertex AI "
                         "custom job: submit with --target vertex, or train on one machine on Kubeflow")

@@ -14,7 +14,9 @@ import pytest
 from contract.manifest import MANIFEST
 from configs import load_config
 from pipelines.local import run_local, summary
+from pipelines.model_source import resolve_config
 from trainer.data import shard_paths
+from trainer.hf_config import model_config_from_hf, read_hf_config
 from trainer.loss import validation_loss
 from trainer.model import Transformer
 from trainer.sharding import make_mesh
@@ -105,19 +107,23 @@ def test_cli_run_reports_one_line_errors(tmp_path):
 def test_pipeline_from_a_hf_checkpoint(tmp_path):
     """With pipeline.hf_checkpoint the DAG ingests it, tokenizes with its tokenizer, trains from its weights.
 
-    At a learning rate of 1e-12 training leaves the weights as they were, so the exported model must
-    give the original HF model's logits: ingest -> train -> export is checked against transformers.
+    No model is named, so the model config is the checkpoint's. At a learning rate of 1e-12 training
+    leaves the weights as they were, so the exported model must give the original HF model's logits:
+    ingest -> train -> export is checked against transformers.
     """
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     corpus = small_corpus(tmp_path / "corpus", limit_bytes=200_000)
     hf_dir = tiny_hf_llama(tmp_path / "hf", corpus)
-    cfg = load_config("tiny", [
+    cfg = resolve_config(None, [  # the tiny preset's settings, without its model file
         f"data.input={corpus}/*.py", f"pipeline.root={tmp_path / 'runs'}", f"pipeline.hf_checkpoint={hf_dir}",
-        "train.steps=3", "warmup_steps=0", "learning_rate=1e-12", "eval.max_new_tokens=0",
+        "data.seq_len=64", "train.batch_size=8", "train.steps=3", "warmup_steps=0", "learning_rate=1e-12",
+        "eval.batch_size=8", "eval.max_batches=4", "eval.max_new_tokens=0",
     ])
+    assert cfg.model == model_config_from_hf(read_hf_config(hf_dir), name="hf")
     result = run_local(cfg)
     m = result["manifests"]
+    assert all(m[name]["config"]["model"] == cfg.model.model_dump() for name in ("checkpoints", "model", "report"))
     assert m["dataset"]["stats"]["tokenizer"]["source"] == str(hf_dir)
     assert [i["kind"] for i in m["checkpoints"]["inputs"]] == ["dataset", "params"]
 

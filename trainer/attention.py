@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from configs import ModelConfig, UserError
+from trainer.sharding import BATCH_AXES
 
 Array = jax.Array
 SPLASH_BLOCKS = (512, 256, 128)  # splash tiles: the largest that divides the sequence (TPU lanes are 128 wide)
@@ -85,7 +86,7 @@ def flash_attention(
 ) -> Array:
     """Causal attention of a training forward pass through cuDNN or splash; `window` 0 means the whole context.
 
-    Splash is a per-device Pallas kernel: on a mesh it runs under shard_map, batch split over data x fsdp and
+    Splash is a per-device Pallas kernel: on a mesh it runs under shard_map, batch split over data x fsdp x expert and
     heads over tensor, as the activations are laid out (see sharding.RULES). Off a TPU it runs in Pallas's
     interpreter (tests).
     """
@@ -95,7 +96,7 @@ def flash_attention(
         raise ValueError(f"flash_attention runs cudnn or splash, not {kernel!r}")
     if mesh is None or mesh.size == 1:
         return _splash(q, k, v, segment_ids, scale, softcap, window, _platform(mesh) != "tpu")
-    heads, rows = PartitionSpec(("data", "fsdp"), None, "tensor", None), PartitionSpec(("data", "fsdp"), None)
+    heads, rows = PartitionSpec(BATCH_AXES, None, "tensor", None), PartitionSpec(BATCH_AXES, None)
     interpret = _platform(mesh) != "tpu"
     if segment_ids is None:
         per_device = lambda q, k, v: _splash(q, k, v, None, scale, softcap, window, interpret)  # noqa: E731

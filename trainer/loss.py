@@ -20,9 +20,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from configs import ModelConfig, UserError
 from trainer.data import eval_batches
 from trainer.model import Transformer
+from trainer.sharding import BATCH_AXES
 
 Array = jax.Array
-BATCH_AXES = ("data", "fsdp")  # mesh axes the batch is split over
 
 
 def token_loss(logits: Array, targets: Array, mask: Array) -> tuple[Array, Array]:
@@ -51,7 +51,7 @@ def validation_loss(
 ) -> dict:
     """Token-weighted mean next-token cross-entropy over the split: {"loss", "perplexity", "tokens", "sequences"}.
 
-    With a mesh, batches are split over its data/fsdp axes and params not already on it are replicated onto it.
+    With a mesh, batches are split over its batch axes and params not already on it are replicated onto it.
     """
     step = _loss_step(cfg.model_dump_json())
     batch_sharding = None

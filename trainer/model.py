@@ -1,13 +1,14 @@
-"""A decoder-only transformer in Flax covering the Llama, Mistral, Qwen3 and Gemma 1/2/3 families.
+"""A decoder-only transformer in Flax covering the Llama, Mistral, Qwen3, Gemma 1/2/3, Mixtral and Qwen3-MoE families.
 
 One module, switched by config features (see the `model:` section of configs/base.yml): RMSNorm
 (optionally (1 + w), Gemma), RoPE (plain, linear or Llama 3.1 scaled; its own base on local layers),
 grouped-query attention (optional QK-norm, query pre-attention scalar, logit soft-capping, sliding
 window on local layers), gated MLP (SwiGLU or GeGLU), optional post-attention/post-MLP norms,
-embedding scaling and final logit soft-capping, and an optional KV cache for decoding. Attention runs
+embedding scaling and final logit soft-capping, Mixture-of-Experts MLPs (trainer/moe.py), and an optional KV cache
+for decoding. Attention runs
 through the kernel chosen for the devices (trainer/attention.py: XLA, cuDNN flash attention or splash).
 
-Every parameter carries logical axis names (embed, heads, kv, mlp, vocab, layers); `sharding.py`
+Every parameter carries logical axis names (embed, heads, kv, mlp, vocab, experts, layers); `sharding.py`
 maps them onto the device mesh. The layer stack is one `nn.scan`, so parameters of the blocks are
 stacked along a leading `layers` axis; whether a layer is local or global is a scanned input:
 
@@ -20,6 +21,9 @@ stacked along a leading `layers` axis; whether a layer is local or global is a s
     layers/mlp_norm/scale               [layers, embed]
     layers/mlp/{gate,up}_proj/kernel    [layers, embed, mlp]
     layers/mlp/down_proj/kernel         [layers, mlp, embed]
+    layers/moe/router/kernel            [layers, embed, experts]          (num_experts > 0, instead of mlp)
+    layers/moe/{gate,up}_proj           [layers, experts, embed, mlp]
+    layers/moe/down_proj                [layers, experts, mlp, embed]
     layers/mlp_post_norm/scale          [layers, embed]        (post_norms)
     final_norm/scale                    [embed]
     lm_head/kernel                      [embed, vocab]   (absent with tie_embeddings)
@@ -35,6 +39,7 @@ import flax.linen as nn
 import numpy as np
 
 from configs import ModelConfig
+from trainer import moe
 from trainer.attention import flash_attention, xla_attention
 
 Array = jax.Array
@@ -209,6 +214,10 @@ class Attention(nn.Module):
         return out, kv
 
 
+def _activation(cfg: ModelConfig):
+    return nn.silu if cfg.activation == "silu" else lambda h: nn.gelu(h, approximate=True)
+
+
 class MLP(nn.Module):
     """Gated feed-forward: SwiGLU (silu) or GeGLU (gelu_tanh)."""
 
@@ -221,15 +230,51 @@ class MLP(nn.Module):
             feats, use_bias=False, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
             kernel_init=_init(cfg, axes), name=name,
         )
-        act = nn.silu if cfg.activation == "silu" else lambda h: nn.gelu(h, approximate=True)
+        act = _activation(cfg)
         tokens = _tokens(x)
         h = act(dense(cfg.mlp_dim, ("embed", "mlp"), "gate_proj")(tokens)) * dense(cfg.mlp_dim, ("embed", "mlp"), "up_proj")(tokens)
         h = nn.with_logical_constraint(h, ("batch", "mlp"))
         return dense(cfg.emb_dim, ("mlp", "embed"), "down_proj")(h).reshape(x.shape)
 
 
+class MoE(nn.Module):
+    """Mixture of gated experts: each token through the k experts its router picks, weighted (trainer/moe.py).
+
+    Returns the output and the layer's router statistics over the `valid` [batch, seq] tokens.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array, valid: Array) -> tuple[Array, dict[str, Array]]:
+        cfg = self.cfg
+        dtype, pdtype = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+        n, d, f = cfg.num_experts, cfg.emb_dim, cfg.expert_width
+        tokens = _tokens(x)
+        # The router in float32: its top-k is a discrete choice that bfloat16 rounding would flip.
+        router = nn.Dense(n, use_bias=False, dtype=jnp.float32, param_dtype=pdtype,
+                          kernel_init=_init(cfg, ("embed", None)), name="router")
+        weights, experts, probs = moe.route(router(tokens), cfg.experts_per_token, cfg.router_renormalize)
+        expert = lambda name, shape, axes: self.param(name, _init(cfg, axes), shape, pdtype).astype(dtype)  # noqa: E731
+        params = (
+            expert("gate_proj", (n, d, f), ("experts", "embed", "mlp")),
+            expert("up_proj", (n, d, f), ("experts", "embed", "mlp")),
+            expert("down_proj", (n, f, d), ("experts", "mlp", "embed")),
+        )
+        act, kept = _activation(cfg), None
+        if cfg.capacity_factor:
+            constrain = lambda a, by_expert: nn.with_logical_constraint(  # noqa: E731
+                a, ("batch", "experts", None, None) if by_expert else ("batch", None, None, None))
+            split = lambda a: a.reshape(*x.shape[:2], -1)  # noqa: E731
+            out, kept = moe.with_capacity(x, split(experts), split(weights), params, act, cfg.capacity_factor, constrain)
+        else:
+            out = moe.dropless(tokens.astype(dtype), experts, weights, params, act).reshape(x.shape)
+        return out.astype(dtype), moe.router_stats(experts, probs, valid, kept)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block; shaped for `nn.scan` (carry x; scanned is_global and KV cache in, cache out)."""
+    """Pre-norm transformer block; shaped for `nn.scan` (carry x; scanned is_global and KV cache in; cache and
+    MoE router statistics out)."""
 
     cfg: ModelConfig
     kernel: str = "xla"
@@ -237,15 +282,20 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array, positions: Array, masks: dict, index: Array | None, is_global: Array, kv: dict | None
-    ) -> tuple[Array, dict | None]:
+        self, x: Array, positions: Array, masks: dict, index: Array | None, valid: Array, is_global: Array,
+        kv: dict | None,
+    ) -> tuple[Array, tuple[dict | None, dict]]:
         cfg = self.cfg
         attn = Attention(cfg, self.kernel, self.mesh, name="attn")
         h, kv = attn(_norm(cfg, "attn_norm")(x), positions, masks, is_global, kv, index)
         x = x + (_norm(cfg, "attn_post_norm")(h) if cfg.post_norms else h)
-        h = MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x))
+        stats: dict[str, Array] = {}
+        if cfg.moe:
+            h, stats = MoE(cfg, name="moe")(_norm(cfg, "mlp_norm")(x), valid)
+        else:
+            h = MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x))
         x = x + (_norm(cfg, "mlp_post_norm")(h) if cfg.post_norms else h)
-        return nn.with_logical_constraint(x, ("batch", "length", "embed")), kv
+        return nn.with_logical_constraint(x, ("batch", "length", "embed")), (kv, stats)
 
 
 def _masks(cfg: ModelConfig, positions: Array, segment_ids: Array | None, cache: dict | None) -> tuple[dict, Array | None]:
@@ -277,6 +327,8 @@ class Transformer(nn.Module):
 
     With `cache` (from `init_cache`), the tokens are written to the cache from slot cache["index"] on,
     attend to everything cached before them, and the call returns (logits, updated cache).
+    An MoE model sows its router statistics per layer (moe.router_stats, over the tokens of segments > 0)
+    as intermediates/moe: apply with mutable=["intermediates"] to read them.
     `attention` is the kernel of a forward pass without a cache (trainer/attention.py: xla, cudnn or splash);
     splash runs per device of `mesh`.
     """
@@ -311,13 +363,16 @@ class Transformer(nn.Module):
             block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         layers = nn.scan(
             block, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, 0), length=cfg.num_layers,
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0, 0), length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
         kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
         index = None if cache is None else cache["index"]
         stack = layers(cfg, self.attention, self.mesh, name="layers")
-        x, kv = stack(x, positions, masks, index, jnp.asarray(layer_is_global(cfg)), kv)
+        valid = jnp.ones(tokens.shape, bool) if segment_ids is None else segment_ids > 0
+        x, (kv, stats) = stack(x, positions, masks, index, valid, jnp.asarray(layer_is_global(cfg)), kv)
+        if stats:
+            self.sow("intermediates", "moe", stats)
         x = _tokens(_norm(cfg, "final_norm")(x))
         if cfg.tie_embeddings:
             logits = embed.attend(x)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 import jax
+import numpy as np
 import optax
 from tensorboardX import SummaryWriter
 
@@ -54,7 +55,14 @@ class MetricsLog:
             self.file.flush()
         if self.events is not None:
             for tag, value in metrics.items():
-                self.events.add_scalar(tag, value, step)
+                if isinstance(value, list):  # a share per expert: a histogram whose buckets are the experts
+                    self.events.add_histogram_raw(
+                        tag, min=0, max=len(value) - 1, num=len(value), sum=sum(i * v for i, v in enumerate(value)),
+                        sum_squares=sum(i * i * v for i, v in enumerate(value)), bucket_limits=list(range(len(value))),
+                        bucket_counts=value, global_step=step,
+                    )
+                else:
+                    self.events.add_scalar(tag, value, step)
         self.window.append(metrics)
         if step == 1 or step % self.every == 0 or step == self.total or "val_loss" in metrics:
             seconds = sum(m["step_time"] for m in self.window)
@@ -65,6 +73,7 @@ class MetricsLog:
                 f"grad_norm {metrics['grad_norm']:.3f}  {rate('tokens_per_s'):,.0f} tok/s  "
                 f"{rate('tflops_per_device'):.3f} TFLOP/s/device  MFU {100 * rate('mfu'):.1f}%  eta {eta:.0f}s"
                 + (f"  val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
+                + (_moe_summary(metrics) if "expert_load" in metrics else "")
             )
             self.window = []
 
@@ -73,6 +82,13 @@ class MetricsLog:
             self.file.close()
         if self.events is not None:
             self.events.close()
+
+
+def _moe_summary(metrics: dict[str, Any]) -> str:
+    """Load-balancing loss, the busiest expert's load against an even share, and the share of pairs dropped."""
+    load = metrics["expert_load"]
+    text = f"  balance_loss {metrics['load_balance_loss']:.3f}  busiest expert {max(load) * len(load):.2f}x even"
+    return text + (f"  dropped {metrics['dropped_fraction']:.1%}" if metrics["dropped_fraction"] else "")
 
 
 def _step_of(line: str) -> float:
@@ -115,7 +131,7 @@ class StepLog:
         if self.pending is None:
             return
         (step, out), self.pending = self.pending, None
-        values = {k: float(v) for k, v in out.items()}
+        values = {k: (v.tolist() if np.ndim(v) else float(v)) for k, v in jax.device_get(out).items()}
         now = time.perf_counter()
         seconds, self.tick = now - self.tick, now
         tflops = self.flops / seconds / self.devices / 1e12

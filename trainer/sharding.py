@@ -14,13 +14,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import UserError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes batch rows are split over
 
-# Logical axis -> mesh axes. Batch splits over data and fsdp; parameters shard their embed axis
-# over fsdp and their heads/mlp/vocab axes over tensor; everything else is replicated.
+# Logical axis -> mesh axes, first free rule wins (a mesh axis shards one dimension of an array). Batch splits
+# over data, fsdp and expert; MoE experts over expert; parameters shard their embed axis over fsdp (and expert,
+# where that is not taken by the experts) and their heads/mlp/vocab axes over tensor; the rest is replicated.
+# An array of expert slots [batch, experts, ...] thus has its batch over data and fsdp only.
 RULES: tuple[tuple[str, Any], ...] = (
+    ("experts", "expert"),
+    ("batch", BATCH_AXES),
     ("batch", ("data", "fsdp")),
     ("length", None),
+    ("embed", ("fsdp", "expert")),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -76,7 +82,7 @@ def device_grid(axes: dict[str, int], devices: Sequence[jax.Device], dcn: dict[s
 def make_mesh(
     axes: dict[str, int], devices: Sequence[jax.Device] | None = None, dcn: dict[str, int] | None = None
 ) -> Mesh:
-    """A mesh over all (or the given) devices with axes data, fsdp, tensor; see `device_grid` for `dcn`."""
+    """A mesh over all (or the given) devices with axes data, fsdp, expert, tensor; see `device_grid` for `dcn`."""
     return Mesh(device_grid(axes, devices if devices is not None else jax.devices(), dcn), MESH_AXES)
 
 
@@ -86,8 +92,8 @@ def logical_shardings(boxed_tree: Any, mesh: Mesh) -> Any:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Batch rows split over the data and fsdp axes."""
-    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    """Batch rows split over the data, fsdp and expert axes."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -16,7 +16,7 @@ import optax
 import flax.linen as nn
 
 from configs import ModelConfig, TrainConfig, TrainSettings, UserError
-from trainer import attention, checkpoint, metrics, param_reader
+from trainer import attention, checkpoint, metrics, moe, param_reader
 from trainer.accelerators import memory_of
 from trainer.data import format_of, sequence_length, shard_paths, train_iterator
 from trainer.loss import token_loss
@@ -79,52 +79,71 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any, mesh: jax.shar
     return jax.jit(tx.init, out_shardings=_shardings(abstract_opt_state(tx, params, mesh)))(params)
 
 
-def loss_and_grads(model: Transformer, params: Any, batch: Batch, accum_steps: int = 1) -> tuple[jax.Array, Any]:
-    """Mean next-token loss over the batch's unmasked targets and its gradient, over `accum_steps` microbatches.
+def loss_and_grads(model: Transformer, params: Any, batch: Batch, accum_steps: int = 1) -> tuple[dict[str, jax.Array], Any]:
+    """Mean next-token loss over the batch's unmasked targets (and MoE router metrics), and the objective's gradient.
 
     Each microbatch contributes its summed loss and gradient; one division by the batch's token count at the
     end makes the result the same as the whole batch at once. Microbatch j takes rows j, j + accum_steps, ...
-    so every device keeps its own rows (no data moves between devices).
+    so every device keeps its own rows (no data moves between devices). An MoE model's objective adds
+    model.load_balance_weight times the load-balancing loss of each microbatch, weighted by its tokens.
     """
+    cfg = model.cfg
 
-    def sums(p: Any, b: Batch) -> tuple[jax.Array, jax.Array]:
-        logits = model.apply({"params": p}, b["inputs"], b.get("positions"), b.get("segment_ids"))
-        return token_loss(logits, b["targets"], b["mask"])
+    def sums(p: Any, b: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        inputs = (b["inputs"], b.get("positions"), b.get("segment_ids"))
+        if not cfg.moe:
+            total, count = token_loss(model.apply({"params": p}, *inputs), b["targets"], b["mask"])
+            return total, {"loss": total, "count": count}
+        logits, state = model.apply({"params": p}, *inputs, mutable=["intermediates"])
+        stats = state["intermediates"]["moe"][0]
+        total, count = token_loss(logits, b["targets"], b["mask"])
+        balance = moe.load_balance_loss(stats) * count
+        return total + cfg.load_balance_weight * balance, {
+            "loss": total, "count": count, "load_balance_loss": balance, "expert_pairs": jnp.sum(stats["counts"], 0),
+            "dropped": jnp.sum(stats["dropped"]),
+        }
 
-    grad_fn = jax.value_and_grad(sums, has_aux=True)
+    grad_fn = jax.grad(sums, has_aux=True)
     if accum_steps == 1:
-        (total, count), grads = grad_fn(params, batch)
+        grads, totals = grad_fn(params, batch)
     else:
         def split(x: jax.Array) -> jax.Array:
             x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1)
             return nn.with_logical_constraint(x, (None, "batch", "length"))
 
         def accumulate(carry: tuple, micro: Batch) -> tuple[tuple, None]:
-            (total, count), grads = grad_fn(params, micro)
-            acc_grads, acc_total, acc_count = carry
+            grads, micro_sums = grad_fn(params, micro)
+            acc_grads, acc_sums = carry
             acc_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)
-            return (acc_grads, acc_total + total, acc_count + count), None
+            return (acc_grads, jax.tree.map(jnp.add, acc_sums, micro_sums)), None
 
-        zero = jnp.zeros((), jnp.float32)
-        init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), zero, zero)  # f32 even for bf16 params
-        (grads, total, count), _ = jax.lax.scan(accumulate, init, jax.tree.map(split, batch))
-    count = jnp.maximum(count, 1.0)
-    return total / count, jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
+        micro = jax.tree.map(split, batch)
+        shapes = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro))[1])
+        init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),  # f32 even for bf16 params
+                jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+        (grads, totals), _ = jax.lax.scan(accumulate, init, micro)
+    count = jnp.maximum(totals.pop("count"), 1.0)
+    metrics = {"loss": totals["loss"] / count}
+    if cfg.moe:
+        pairs = jnp.maximum(jnp.sum(totals["expert_pairs"]), 1.0)
+        metrics.update(load_balance_loss=totals["load_balance_loss"] / count, expert_load=totals["expert_pairs"] / pairs,
+                       dropped_fraction=totals["dropped"] / pairs)
+    return metrics, jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
 
 
 def make_train_step(
     model: Transformer, tx: optax.GradientTransformation, accum_steps: int = 1,
     abstract_state: tuple[Any, Any] | None = None,
 ) -> Callable:
-    """(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm}); the old state's buffers are donated.
+    """(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm, MoE metrics}); the old state is donated.
 
     With `abstract_state` (abstract params and optimizer state), the new state keeps exactly their shardings.
     """
 
     def step(params: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, dict[str, jax.Array]]:
-        loss, grads = loss_and_grads(model, params, batch, accum_steps)
+        out, grads = loss_and_grads(model, params, batch, accum_steps)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return optax.apply_updates(params, updates), opt_state, {**out, "grad_norm": optax.tree.norm(grads)}
 
     if abstract_state is None:
         return jax.jit(step, donate_argnums=(0, 1))

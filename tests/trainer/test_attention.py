@@ -96,7 +96,8 @@ def test_model_with_splash_on_a_mesh_matches_xla(preset: str, overrides: list[st
         placed = jax.device_put(params, jax.tree.map(lambda x: x.sharding, abstract_params(model, SEQ, mesh)))
         with mesh, nn.logical_axis_rules(RULES):
             step = jax.jit(lambda p, b: loss_and_grads(model, p, b))
-            return jax.device_get(step(placed, jax.device_put(batch, batch_sharding(mesh))))
+            out, grads = jax.device_get(step(placed, jax.device_put(batch, batch_sharding(mesh))))
+            return out["loss"], grads
 
     loss, grads = run(xla_model, one)
     mesh = make_mesh({"fsdp": 2, "tensor": 2}, jax.devices()[:4])

@@ -37,12 +37,12 @@ def _owners(grid: np.ndarray) -> np.ndarray:
 def test_a_dcn_mesh_of_one_slice_keeps_the_plain_mesh(axes: dict[str, int], dcn: dict[str, int] | None) -> None:
     mesh = make_mesh(axes, dcn=dcn)
     shape = tuple(mesh.shape.values())
-    assert mesh.axis_names == ("data", "fsdp", "tensor") and np.prod(shape) == 8
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor") and np.prod(shape) == 8
     np.testing.assert_array_equal(mesh.devices, mesh_utils.create_device_mesh(shape, jax.devices()))
 
 
 def test_the_base_config_has_a_dcn_mesh_of_ones() -> None:
-    assert load_config("tiny").train.dcn_mesh == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert load_config("tiny").train.dcn_mesh == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
     with pytest.raises(UserError, match=r"train.dcn_mesh \{.*\}: at most one axis may be -1"):
         load_config("tiny", ["train.dcn_mesh={data: -1, fsdp: -1}"])
     with pytest.raises(UserError, match="train.dcn_mesh: axis sizes must be positive or -1"):
@@ -52,29 +52,29 @@ def test_the_base_config_has_a_dcn_mesh_of_ones() -> None:
 def test_a_dcn_mesh_of_ones_spans_all_processes_with_one_mesh() -> None:
     devices = _devices(2, 4)
     grid = device_grid({"data": 2, "fsdp": -1}, devices, {"data": 1, "fsdp": 1, "tensor": 1})
-    assert grid.shape == (2, 4, 1) and list(grid.flat) == devices  # today's mesh: the devices in order
+    assert grid.shape == (2, 4, 1, 1) and list(grid.flat) == devices  # today's mesh: the devices in order
 
 
 def test_dcn_data_over_two_processes_gives_each_process_half_the_data_axis() -> None:
     devices = _devices(2, 4)
     grid = device_grid({"fsdp": -1}, devices, {"data": 2})
-    assert grid.shape == (2, 4, 1)  # data = 2 (DCN) x 1 (ICI), fsdp = 1 x 4, tensor = 1
-    np.testing.assert_array_equal(_owners(grid)[:, :, 0], [[0] * 4, [1] * 4])
+    assert grid.shape == (2, 4, 1, 1)  # data = 2 (DCN) x 1 (ICI), fsdp = 1 x 4, expert = tensor = 1
+    np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0], [[0] * 4, [1] * 4])
     assert list(grid.flat) == devices  # each process's devices in their own order
 
     grid = device_grid({"data": -1, "fsdp": 2}, devices, {"data": -1})  # -1 fills 2 processes, then 2 devices each
-    assert grid.shape == (4, 2, 1)
-    np.testing.assert_array_equal(_owners(grid)[:, :, 0], [[0, 0], [0, 0], [1, 1], [1, 1]])
+    assert grid.shape == (4, 2, 1, 1)
+    np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0], [[0, 0], [0, 0], [1, 1], [1, 1]])
 
 
 def test_dcn_axes_multiply_the_ici_axes_of_the_same_name() -> None:
     grid = device_grid({"data": 2, "fsdp": 2}, _devices(2, 4), {"fsdp": 2})
-    assert grid.shape == (2, 4, 1)  # fsdp = 2 (DCN) x 2 (ICI): process 0 holds fsdp 0-1, process 1 fsdp 2-3
-    np.testing.assert_array_equal(_owners(grid)[:, :, 0], [[0, 0, 1, 1], [0, 0, 1, 1]])
+    assert grid.shape == (2, 4, 1, 1)  # fsdp = 2 (DCN) x 2 (ICI): process 0 holds fsdp 0-1, process 1 fsdp 2-3
+    np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0], [[0, 0, 1, 1], [0, 0, 1, 1]])
 
     grid = device_grid({"tensor": -1}, _devices(4, 2), {"data": 2, "fsdp": 2})
-    assert grid.shape == (2, 2, 2)  # tensor stays inside each process
-    np.testing.assert_array_equal(_owners(grid), [[[0, 0], [1, 1]], [[2, 2], [3, 3]]])
+    assert grid.shape == (2, 2, 1, 2)  # tensor stays inside each process
+    np.testing.assert_array_equal(_owners(grid)[:, :, 0], [[[0, 0], [1, 1]], [[2, 2], [3, 3]]])
 
 
 def test_tpu_slices_are_the_dcn_granules_elsewhere_processes() -> None:

@@ -1,0 +1,123 @@
+"""Mixture-of-Experts routing: the load-balancing loss against transformers', dropless against capacity slots,
+dropped pairs counted, active-parameter FLOPs, and training with MoE (bf16, remat, accumulation, metrics)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from configs import load_config
+from tests.trainer.test_metrics import tensorboard_scalars
+from tests.trainer.test_train_data import random_dataset, split_train
+from trainer import moe
+from trainer.metrics import train_flops_per_step
+from trainer.model import Transformer
+from trainer.train import train
+
+MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.load_balance_weight=0.01"]
+
+
+def _stats(logits: np.ndarray, mask: np.ndarray, k: int) -> dict:
+    """Every layer's router statistics as the model sows them, for router logits [layers, tokens, experts]."""
+    per_layer = []
+    for layer in logits:
+        _, experts, probs = moe.route(jnp.asarray(layer), k, renormalize=True)
+        per_layer.append(moe.router_stats(experts, probs, jnp.asarray(mask)))
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_load_balance_loss_equals_transformers(k: int) -> None:
+    rng = np.random.default_rng(k)
+    logits = rng.normal(size=(3, 40, 6)).astype(np.float32)  # 3 layers, 2 sequences of 20 tokens, 6 experts
+    mask = np.ones(40, np.float32)
+    mask[15:20] = mask[33:] = 0  # right padding in both sequences
+    for m in (None, mask):
+        theirs = load_balancing_loss_func(
+            tuple(torch.from_numpy(layer) for layer in logits), 6, k,
+            None if m is None else torch.from_numpy(m.reshape(2, 20)),
+        )
+        ours = moe.load_balance_loss(_stats(logits, np.ones(40) if m is None else m, k))
+        # The same float32 sums in another order.
+        np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
+
+
+def _model(*overrides: str) -> Transformer:
+    return Transformer(load_config("tiny", MOE + list(overrides)).model)
+
+
+def test_capacity_slots_equal_dropless_routing_when_nothing_is_dropped() -> None:
+    tokens = jax.random.randint(jax.random.key(0), (3, 24), 0, 512)
+    dropless = _model()
+    params = dropless.init(jax.random.key(1), tokens)["params"]
+    want = dropless.apply({"params": params}, tokens)
+    # capacity_factor E / k gives every expert a slot for each token of the sequence: nothing can drop.
+    got, state = _model("model.capacity_factor=2.0").apply({"params": params}, tokens, mutable=["intermediates"])
+    assert float(jnp.sum(state["intermediates"]["moe"][0]["dropped"])) == 0
+    # The same products summed in another order (grouped matmul against batched einsum).
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_small_capacity_drops_the_pairs_past_each_experts_slots() -> None:
+    rng = np.random.default_rng(0)
+    batch, seq, k, n, d, f = 2, 12, 2, 4, 8, 16
+    experts = np.stack([rng.permutation(n)[:k] for _ in range(batch * seq)]).reshape(batch, seq, k)
+    weights = rng.random((batch, seq, k)).astype(np.float32)
+    x = rng.normal(size=(batch, seq, d)).astype(np.float32)
+    params = tuple(rng.normal(size=s).astype(np.float32) for s in ((n, d, f), (n, d, f), (n, f, d)))
+    act = jax.nn.silu
+    out, kept = moe.with_capacity(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), params, act, 0.5)
+
+    slots = moe.capacity(seq, k, n, 0.5)  # 3 slots per expert and sequence for 24 pairs
+    want_kept = np.zeros_like(experts, bool)
+    want = np.zeros_like(x)
+    gate, up, down = params
+    for b in range(batch):
+        used = np.zeros(n, int)
+        for t in range(seq):  # slots go to pairs in token order
+            for j, e in enumerate(experts[b, t]):
+                used[e] += 1
+                if used[e] <= slots:
+                    want_kept[b, t, j] = True
+                    h = np.asarray(act(x[b, t] @ gate[e])) * (x[b, t] @ up[e])
+                    want[b, t] += weights[b, t, j] * (h @ down[e])
+    np.testing.assert_array_equal(kept, want_kept)
+    assert (~want_kept).sum() == 2 * (seq * k - n * slots)  # every slot full, the rest dropped
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+    valid = np.ones((batch, seq), bool)
+    valid[:, -2:] = False  # padding takes slots too, but its drops are not counted
+    stats = moe.router_stats(jnp.asarray(experts.reshape(-1, k)), jnp.ones((batch * seq, n)) / n, valid, kept)
+    assert float(stats["dropped"]) == (~want_kept[:, :-2]).sum()
+
+
+def test_flops_count_active_parameters() -> None:
+    cfg = load_config("tiny", MOE + ["model.expert_mlp_dim=32"]).model
+    dense = load_config("tiny", ["model.mlp_dim=64"]).model  # k x expert width: the same active MLP
+    router = 3 * 2 * (2 * 8 * 64 * 64 * 4)  # forward + backward, 2 layers, the [64, 4] router on 8 x 64 tokens
+    assert train_flops_per_step(cfg, 8, 64) == pytest.approx(train_flops_per_step(dense, 8, 64) + router)
+
+
+def test_moe_training_in_bfloat16_with_remat_and_accumulation_logs_router_metrics(tmp_path: Path) -> None:
+    data = random_dataset(tmp_path / "data", rows=32, seq_len=32, vocab=512)
+    cfg = load_config("tiny", MOE + [
+        "model.dtype=bfloat16", "train.remat=full", "train.grad_accum_steps=2", "train.steps=4", "train.batch_size=8",
+        "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0", "train.mesh={expert: 4, fsdp: 2}",
+    ])
+    lines: list[str] = []
+    summary = train(cfg.model, *split_train(cfg.train), data, tmp_path / "run", log=lines.append)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and np.isfinite(summary["final_loss"])
+    for row in rows:
+        assert len(row["expert_load"]) == 4 and sum(row["expert_load"]) == pytest.approx(1.0)
+        assert row["load_balance_loss"] >= 2.0 - 1e-3  # k = 2 when perfectly balanced, more otherwise
+        assert row["dropped_fraction"] == 0.0
+    assert any("balance_loss" in line and "busiest expert" in line for line in lines)
+    assert [s for s, _ in tensorboard_scalars(tmp_path / "run" / "tensorboard")["load_balance_loss"]] == [1, 2, 3, 4]

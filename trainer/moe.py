@@ -1,0 +1,118 @@
+"""Mixture-of-Experts routing: top-k choice of experts, the two ways of running them, the load-balancing loss.
+
+A router's softmax over all experts picks each token's k experts (Mixtral and Qwen3-MoE, as transformers
+computes them); the chosen weights are optionally renormalised to sum to 1. The experts then run either
+- dropless: every (token, expert) pair sorted by expert and run as one grouped matmul (`jax.lax.ragged_dot`,
+  on CPU, GPU and TPU), or
+- with a capacity: each sequence's pairs laid into [experts, capacity] slots, pairs past an expert's capacity
+  dropped (the token keeps only its residual for that expert); slots are batched matmuls whose expert axis
+  shards over the mesh's `expert` axis, so XLA moves tokens to their experts by all-to-all.
+Both give the same output when nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Experts = tuple[Array, Array, Array]  # gate [E, D, F], up [E, D, F], down [E, F, D]
+
+
+def route(logits: Array, k: int, renormalize: bool) -> tuple[Array, Array, Array]:
+    """Router logits [T, E] -> (float32 weights [T, k], expert ids [T, k], float32 probabilities [T, E])."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts, probs
+
+
+def _expert_mlp(x: Array, experts: Experts, act: Callable[[Array], Array], matmul: Callable) -> Array:
+    gate, up, down = experts
+    return matmul(act(matmul(x, gate)) * matmul(x, up), down)
+
+
+def dropless(x: Array, experts: Array, weights: Array, params: Experts, act: Callable[[Array], Array]) -> Array:
+    """Every token through its k experts: x [T, D], experts/weights [T, k] -> [T, D]."""
+    tokens, k = experts.shape
+    num_experts = params[0].shape[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert, in token order within each
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    grouped = lambda a, w: jax.lax.ragged_dot(a, w, sizes)  # noqa: E731
+    y = _expert_mlp(jnp.take(x, order // k, axis=0), params, act, grouped)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    y = jnp.take(y, inverse, axis=0).reshape(tokens, k, -1)
+    return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+
+
+def capacity(seq_len: int, k: int, num_experts: int, factor: float) -> int:
+    """Slots per expert and sequence: `factor` times an even share of the sequence's token-expert pairs."""
+    return max(1, math.ceil(seq_len * k * factor / num_experts))
+
+
+def _slots(experts: Array, num_experts: int, slots: int) -> tuple[Array, Array]:
+    """One sequence's pairs [S, k] -> each pair's slot in [E * slots] (E * slots if dropped), and whether kept.
+
+    Pairs take an expert's slots in token order; a pair past the expert's capacity is dropped.
+    """
+    flat = experts.reshape(-1)
+    onehot = jax.nn.one_hot(flat, num_experts, dtype=jnp.int32)
+    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    kept = position < slots
+    return jnp.where(kept, flat * slots + position, num_experts * slots), kept
+
+
+def with_capacity(
+    x: Array, experts: Array, weights: Array, params: Experts, act: Callable[[Array], Array], factor: float,
+    constrain: Callable[[Array, bool], Array] = lambda a, by_expert: a,
+) -> tuple[Array, Array]:
+    """x [B, S, D], experts/weights [B, S, k] -> ([B, S, D], kept [B, S, k]).
+
+    `constrain(a, by_expert)` lays out slots [B, E, C, D] by sequence (as the tokens) or by expert (as the
+    experts' weights): the change between the two is where tokens travel to their experts and back.
+    """
+    batch, seq_len, k = experts.shape
+    num_experts = params[0].shape[0]
+    slots = capacity(seq_len, k, num_experts, factor)
+    slot, kept = jax.vmap(lambda e: _slots(e, num_experts, slots))(experts)
+    # Which token fills each slot (seq_len: none, a zero row), then the slots gathered: [B, E * C, D].
+    token = jnp.broadcast_to(jnp.arange(seq_len * k) // k, slot.shape)
+    source = jax.vmap(lambda s, t: jnp.full(num_experts * slots + 1, seq_len).at[s].set(t))(slot, token)
+    padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+    buffer = jnp.take_along_axis(padded, source[:, :-1, None], axis=1).reshape(batch, num_experts, slots, -1)
+    buffer = constrain(constrain(buffer, False), True)
+    batched = lambda a, w: jnp.einsum("becd,edf->becf", a, w)  # noqa: E731
+    y = constrain(constrain(_expert_mlp(buffer, params, act, batched), True), False)
+    y = y.reshape(batch, num_experts * slots, -1)
+    y = jnp.concatenate([y, jnp.zeros_like(y[:, :1])], axis=1)  # dropped pairs read the zero slot
+    y = jnp.take_along_axis(y, slot[..., None], axis=1).reshape(batch, seq_len, k, -1)
+    return jnp.einsum("bskd,bsk->bsd", y, weights.astype(y.dtype)), kept.reshape(batch, seq_len, k)
+
+
+def router_stats(experts: Array, probs: Array, valid: Array, kept: Array | None = None) -> dict[str, Array]:
+    """One layer's sums over the valid tokens: pairs per expert, router probability per expert, tokens, drops."""
+    valid = valid.reshape(-1).astype(jnp.float32)
+    counts = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(1)  # [T, E]
+    dropped = jnp.zeros(()) if kept is None else jnp.sum(jnp.where(kept.reshape(valid.size, -1), 0.0, valid[:, None]))
+    return {
+        "counts": valid @ counts,
+        "probs": valid @ probs.astype(jnp.float32),
+        "tokens": jnp.sum(valid),
+        "dropped": dropped,
+    }
+
+
+def load_balance_loss(stats: dict[str, Array]) -> Array:
+    """Switch Transformer's loss over all layers' stats (stacked on a leading layer axis): E * sum_e f_e * P_e.
+
+    f_e is the pairs routed to expert e per token, P_e the mean router probability of e, both over every
+    valid token of every layer: transformers' `load_balancing_loss_func`, which is k when balanced.
+    """
+    tokens = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
+    counts, probs = jnp.sum(stats["counts"], axis=0), jnp.sum(stats["probs"], axis=0)
+    return counts.shape[-1] * jnp.sum((counts / tokens) * (probs / tokens))
