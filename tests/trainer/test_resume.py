@@ -1,5 +1,5 @@
-"""Exact resume after SIGKILL (metrics and events past the checkpoint redone), restore onto another mesh, and refusing
-a checkpoint of another model."""
+"""Exact resume after SIGKILL (metrics and events past the checkpoint redone; dense and MoE), restore onto another
+mesh, and refusing a checkpoint of another model."""
 
 from __future__ import annotations
 
@@ -45,23 +45,42 @@ def _losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
 
 
+MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.load_balance_weight=0.01",
+       "train.mesh={expert: 2, data: 4}"]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """A dataset and an uninterrupted 20-step run on it, validated every 10 steps."""
-    root = tmp_path_factory.mktemp("resume")
-    data = random_dataset(root / "data", rows=64, seq_len=32, vocab=512)
-    cfg = load_config("tiny", OVERRIDES)
-    train(cfg.model, *split_train(cfg.train), data, root / "reference", log=lambda _: None)
-    rows = [json.loads(line) for line in (root / "reference" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "val_loss" in r] == [10, 20]
-    return data, root / "reference"
+def runs(tmp_path_factory):
+    """overrides -> a dataset and an uninterrupted 20-step run on it, validated every 10 steps (made once each)."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def run(overrides: list[str]) -> tuple[Path, Path]:
+        key = json.dumps(overrides)
+        if key not in made:
+            root = tmp_path_factory.mktemp("resume")
+            data = random_dataset(root / "data", rows=64, seq_len=32, vocab=512)
+            cfg = load_config("tiny", overrides)
+            train(cfg.model, *split_train(cfg.train), data, root / "reference", log=lambda _: None)
+            rows = [json.loads(line) for line in (root / "reference" / "metrics.jsonl").read_text().splitlines()]
+            assert [r["step"] for r in rows if "val_loss" in r] == [10, 20]
+            made[key] = data, root / "reference"
+        return made[key]
+
+    return run
 
 
-def test_sigkilled_run_resumes_to_bitwise_identical_losses(reference, tmp_path: Path) -> None:
-    data, ref = reference
+@pytest.fixture(scope="module")
+def reference(runs):
+    return runs(OVERRIDES)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_sigkilled_run_resumes_to_bitwise_identical_losses(runs, moe: bool, tmp_path: Path) -> None:
+    overrides = OVERRIDES + (MOE if moe else [])
+    data, ref = runs(overrides)
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-c", SLOW_RUN, str(data), str(run), json.dumps(OVERRIDES)],
+        [sys.executable, "-c", SLOW_RUN, str(data), str(run), json.dumps(overrides)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 240
@@ -75,11 +94,14 @@ def test_sigkilled_run_resumes_to_bitwise_identical_losses(reference, tmp_path: 
     # A checkpoint Orbax had not finished (its temporary directory) must never be resumed from.
     (run / "checkpoints" / "15.orbax-checkpoint-tmp-1").mkdir()
 
-    cfg = load_config("tiny", OVERRIDES)
+    cfg = load_config("tiny", overrides)
     summary = train(cfg.model, *split_train(cfg.train), data, run, log=lambda _: None)
     assert summary["resumed_from"] in (5, 10)
     # Same params, optimizer state and data position restored, same compiled program: bitwise equal on CPU.
     assert _losses(run) == _losses(ref)
+    if moe:  # the router's record too
+        assert _column(run, "load_balance_loss") == _column(ref, "load_balance_loss")
+        assert _column(run, "expert_load") == _column(ref, "expert_load")
     # TensorBoard shows each step once, as metrics.jsonl holds it: the killed run's events past the checkpoint
     # are hidden. Its last second of events may never have reached its file.
     rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
@@ -88,6 +110,10 @@ def test_sigkilled_run_resumes_to_bitwise_identical_losses(reference, tmp_path: 
     assert steps == sorted(set(steps)) and set(steps) >= set(range(summary["resumed_from"] + 1, 21))
     for tag in ("loss", "step_time"):
         assert shown[tag] == [(s, pytest.approx(rows[s][tag], rel=1e-6)) for s, _ in shown[tag]]
+
+
+def _column(run: Path, key: str) -> list:
+    return [r[key] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
 
 
 def _rows(run: Path) -> int:
