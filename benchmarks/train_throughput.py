@@ -55,9 +55,10 @@ def matmul_anchor(device: jax.Device, clock=time.perf_counter) -> float:
     return measure_matmul_flops(8192, clock=clock, dtype="bfloat16")
 
 
-def run_variant(shape: str, seq: int, batch: int, remat: str, dtype: str, attention: str, steps: int) -> dict:
-    """Fastest and median step time, tokens/s, TFLOP/s and MFU of one variant."""
-    overrides, _, _ = SHAPES[shape]
+def run_variant(
+    overrides: list[str], seq: int, batch: int, remat: str, dtype: str, attention: str, steps: int
+) -> dict:
+    """Fastest and median step time, tokens/s, TFLOP/s and MFU of one variant of the model `overrides` give."""
     cfg = load_config("demo", overrides + [
         f"model.max_seq_len={seq}", f"model.dtype={dtype}", f"model.attention={attention}", f"train.remat={remat}",
         f"train.batch_size={batch}", "train.mesh={data: 1}",
@@ -119,7 +120,8 @@ def main() -> None:
           f"anchors: {peak}, {'float32 2048^2' if device.platform == 'cpu' else 'bf16 8192^2'} matmul", flush=True)
     for variant in args.variants.split(","):
         remat, dtype, *attention = variant.split(":")
-        r = run_variant(args.shape, seq, batch, remat, dtype, attention[0] if attention else "auto", args.steps)
+        r = run_variant(SHAPES[args.shape][0], seq, batch, remat, dtype, attention[0] if attention else "auto",
+                        args.steps)
         line = (f"remat={remat:<7} dtype={dtype:<8} attention={r['attention']:<6} params {r['parameters'] / 1e6:7.1f} M  "
                 f"first step {r['first_step_s']:6.1f} s  step {r['step_s']:7.3f} s (median {r['median_step_s']:7.3f})  "
                 f"{r['tokens_per_s']:9,.0f} tok/s  {r['tflops']:7.3f} TFLOP/s  "

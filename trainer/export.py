@@ -96,13 +96,18 @@ def _export_entries(params: Any, cfg: ModelConfig) -> list[Entry]:
             leaf = leaf[key]
         names = hf_names(spec, cfg)
         once = ReadOnce(leaf, len(names))
+        per_layer = cfg.num_experts if spec.experts else 1  # experts are written one tensor each, layer by layer
         for i, name in enumerate(names):
-            entries.append((name, spec.hf_shape, partial(_fetch, once, i if spec.stacked else None, spec.to_hf)))
+            layer = i // per_layer if spec.stacked else None
+            expert = i % per_layer if spec.experts else None
+            entries.append((name, spec.hf_shape, partial(_fetch, once, layer, expert, spec.to_hf)))
     return entries
 
 
-def _fetch(once: ReadOnce, layer: int | None, to_hf: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    return to_hf(once.read(layer))
+def _fetch(
+    once: ReadOnce, layer: int | None, expert: int | None, to_hf: Callable[[np.ndarray], np.ndarray]
+) -> np.ndarray:
+    return to_hf(once.read(layer, expert))
 
 
 def _export_tokenizer(tokenizer_dir: Path, dest: Path, cfg: ModelConfig) -> dict:

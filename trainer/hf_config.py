@@ -1,4 +1,4 @@
-"""HF config.json <-> ModelConfig for Llama, Mistral, Qwen3 and Gemma 1/2/3: reading, checking and writing."""
+"""HF config.json <-> ModelConfig (Llama, Mistral, Qwen3, Gemma 1/2/3, Mixtral, Qwen3-MoE): reading, checking, writing."""
 
 from __future__ import annotations
 
@@ -20,17 +20,20 @@ FAMILIES = {
     "gemma": ("GemmaForCausalLM", "gemma"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+_MOE_FAMILIES = ("mixtral", "qwen3_moe")  # every layer's MLP a Mixture of Experts
 _PLAIN = dict(
     activation="silu", norm_plus_one=False, scale_embeddings=False, qk_norm=False, post_norms=False,
     query_pre_attn_scalar=0.0, attn_softcap=0.0, final_softcap=0.0, sliding_window=0, global_every=0,
     rope_local_theta=0.0,
 )
 _GEMMA = dict(_PLAIN, activation="gelu_tanh", norm_plus_one=True, scale_embeddings=True)
-# The model features each family fixes; the ones left out are read from (and written to) config.json.
-_FIXED: dict[str, dict[str, Any]] = {
+_MISTRAL = {k: v for k, v in _PLAIN.items() if k != "sliding_window"}
+_DENSE: dict[str, dict[str, Any]] = {
     "llama": _PLAIN,
-    "mistral": {k: v for k, v in _PLAIN.items() if k != "sliding_window"},
+    "mistral": _MISTRAL,
     "qwen3": dict(_PLAIN, qk_norm=True),
     "gemma": _GEMMA,
     "gemma2": {k: v for k, v in dict(_GEMMA, post_norms=True).items()
@@ -39,6 +42,15 @@ _FIXED: dict[str, dict[str, Any]] = {
                if k not in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "sliding_window", "global_every",
                             "rope_local_theta")},
 }
+# The model features each family fixes; the ones left out are read from (and written to) config.json.
+_FIXED = {family: fixed | {"num_experts": 0} for family, fixed in _DENSE.items()} | {
+    "mixtral": dict(_MISTRAL, router_renormalize=True),  # Mixtral always renormalises the k router weights
+    "qwen3_moe": dict(_PLAIN, qk_norm=True),
+}
+# A dense model's MoE fields (base.yml's defaults).
+_NO_MOE = dict(num_experts=0, experts_per_token=2, expert_mlp_dim=0, router_renormalize=True, load_balance_weight=0.0,
+               capacity_factor=0.0)
+_MOE_ONLY = ("experts_per_token", "expert_mlp_dim", "router_renormalize")  # what a dense model ignores
 # ModelConfig field -> the HF config.json key it comes from (for error messages).
 _HF_KEYS = {
     "family": "model_type",
@@ -56,9 +68,14 @@ _HF_KEYS = {
     "query_pre_attn_scalar": "query_pre_attn_scalar",
     "attn_softcap": "attn_logit_softcapping",
     "final_softcap": "final_logit_softcapping",
+    "num_experts": "num_local_experts / num_experts",
+    "experts_per_token": "num_experts_per_tok",
+    "expert_mlp_dim": "moe_intermediate_size",
+    "router_renormalize": "norm_topk_prob",
 }
 # Fields that do not change what the weights compute, so a checkpoint need not match them.
-_FREE_FIELDS = ("name", "max_seq_len", "init_std", "dtype", "param_dtype", "attention")
+_FREE_FIELDS = ("name", "max_seq_len", "init_std", "dtype", "param_dtype", "attention", "load_balance_weight",
+                "capacity_factor")
 _ROPE_DEFAULTS = dict(rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                       rope_original_max_len=8192)
 
@@ -103,7 +120,7 @@ def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         sliding_window=sliding_window,
         global_every=global_every,
         rope_local_theta=0.0,
-    ) | _FIXED[family] | _rope_fields(hf, family)
+    ) | _FIXED[family] | _rope_fields(hf, family) | _moe_fields(hf, family)
     try:
         return ModelConfig(
             name=name,
@@ -136,9 +153,10 @@ def check_hf_config(hf: dict, cfg: ModelConfig) -> None:
     """Raise a UserError naming the first model field where `cfg` and the HF config differ."""
     theirs = model_config_from_hf(hf, cfg.name)
     for field in ModelConfig.model_fields:
-        if field in _FREE_FIELDS:
+        if field in _FREE_FIELDS or (field in _MOE_ONLY and not cfg.moe and not theirs.moe):
             continue
-        a, b = getattr(cfg, field), getattr(theirs, field)
+        attr = "expert_width" if field == "expert_mlp_dim" else field  # an expert_mlp_dim of 0 means mlp_dim
+        a, b = getattr(cfg, attr), getattr(theirs, attr)
         same = math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) else a == b
         if not same:
             where = f"the checkpoint's {_HF_KEYS[field]}" if field in _HF_KEYS else "the checkpoint"
@@ -153,8 +171,16 @@ def _check_supported(hf: dict, family: str) -> None:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise UserError(f"HF config sets {key}: true; maxpipe's projections have no bias")
-    if family == "qwen3" and hf.get("use_sliding_window"):
-        raise UserError("HF Qwen3 config sets use_sliding_window: true; maxpipe supports Qwen3 with full attention only")
+    if family in ("qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+        raise UserError(f"HF {family} config sets use_sliding_window: true; maxpipe supports it with full attention only")
+    shared = next((k for k, v in hf.items() if "shared_expert" in k and v), None)
+    if shared:
+        raise UserError(f"HF config sets {shared}: {hf[shared]!r}; maxpipe's Mixtures of Experts have no shared expert")
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise UserError(
+            f"HF config has decoder_sparse_step {hf.get('decoder_sparse_step', 1)} and mlp_only_layers "
+            f"{hf.get('mlp_only_layers') or []}; maxpipe supports Mixture-of-Experts models whose every layer is MoE"
+        )
     if hf.get("use_bidirectional_attention"):
         raise UserError("HF config sets use_bidirectional_attention; maxpipe's decoder is causal")
 
@@ -162,12 +188,12 @@ def _check_supported(hf: dict, family: str) -> None:
 def _layer_pattern(hf: dict, family: str) -> tuple[int, int]:
     """(sliding_window, global_every) from a config's sliding_window and layer types."""
     window = hf.get("sliding_window") or 0
-    if family not in ("mistral", "gemma2", "gemma3") or not window:
+    if family not in ("mistral", "mixtral", "gemma2", "gemma3") or not window:
         return 0, 0
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is None:
-        every = {"mistral": 0, "gemma2": 2}.get(family, hf.get("sliding_window_pattern", 6))
+        every = {"mistral": 0, "mixtral": 0, "gemma2": 2}.get(family, hf.get("sliding_window_pattern", 6))
         types = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
     is_global = [t == "full_attention" for t in types]
     if all(is_global):
@@ -193,7 +219,8 @@ def _rope_fields(hf: dict, family: str) -> dict:
     else:
         if any(isinstance(v, dict) for v in params.values()):
             raise UserError(f"HF config has per-layer rope_parameters {params}; maxpipe supports one RoPE for {family}")
-        glob = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}), **params}
+        default = 1e6 if family == "mixtral" else 10000.0  # transformers' default base
+        glob = {"rope_theta": hf.get("rope_theta", default), **(hf.get("rope_scaling") or {}), **params}
     rope_type = glob.get("rope_type", glob.get("type", "default"))
     rotary = glob.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if rotary != 1.0:
@@ -213,8 +240,34 @@ def _rope_fields(hf: dict, family: str) -> dict:
     raise UserError(f"HF config uses RoPE type {rope_type!r} ({glob}); maxpipe supports default, linear and llama3")
 
 
+def _moe_fields(hf: dict, family: str) -> dict:
+    """The Mixture-of-Experts fields (dense families: none); keys left out take transformers' defaults."""
+    if family not in _MOE_FAMILIES:
+        return _NO_MOE
+    mixtral = family == "mixtral"
+    # transformers 5 writes num_local_experts for both; Qwen3-MoE files of 4.x say num_experts.
+    experts = hf.get("num_local_experts", hf.get("num_experts", 8 if mixtral else 128))
+    if not experts:
+        raise UserError(f"HF {family} config has num_local_experts {experts!r}; expected a Mixture of Experts")
+    return dict(
+        num_experts=experts,
+        experts_per_token=hf.get("num_experts_per_tok", 2 if mixtral else 8),
+        expert_mlp_dim=0 if mixtral else hf.get("moe_intermediate_size", 768),  # Mixtral's experts: intermediate_size
+        router_renormalize=mixtral or bool(hf.get("norm_topk_prob", False)),
+        load_balance_weight=float(hf.get("router_aux_loss_coef", 0.001)),
+        capacity_factor=0.0,
+    )
+
+
 def check_exportable(cfg: ModelConfig) -> None:
     """Raise a UserError when the model has a feature its model.family has no place for in HF."""
+    if cfg.family in _MOE_FAMILIES and not cfg.moe:
+        raise UserError(f"model.family {cfg.family} is a Mixture of Experts but model.num_experts is 0")
+    if cfg.family == "mixtral" and cfg.expert_width != cfg.mlp_dim:
+        raise UserError(
+            f"model.family mixtral has experts model.mlp_dim wide (HF intermediate_size), but model.expert_mlp_dim is "
+            f"{cfg.expert_mlp_dim}: set it to 0"
+        )
     for field, value in _FIXED[cfg.family].items():
         if getattr(cfg, field) != value:
             raise UserError(
@@ -268,14 +321,22 @@ def hf_config_from_model(cfg: ModelConfig, bos_id: int | None, eos_id: int | Non
         config["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar  # HF checks the type
         config["attn_logit_softcapping"] = cfg.attn_softcap or None
         config["final_logit_softcapping"] = cfg.final_softcap or None
-    if cfg.family in ("mistral", "gemma2", "gemma3"):
+    if cfg.family in ("mistral", "mixtral", "gemma2", "gemma3"):
         config["sliding_window"] = cfg.sliding_window or None
     if cfg.family in ("gemma2", "gemma3"):
         # HF needs a window even with every layer global; it is then unused.
         config["sliding_window"] = cfg.sliding_window or cfg.max_seq_len
         config["layer_types"] = ["full_attention" if g else "sliding_attention" for g in layer_is_global(cfg)]
-    if cfg.family == "qwen3":
+    if cfg.family in ("qwen3", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    if cfg.moe:
+        config.update(num_experts_per_tok=cfg.experts_per_token, router_aux_loss_coef=cfg.load_balance_weight,
+                      output_router_logits=False)
+    if cfg.family == "mixtral":
+        config.update(num_local_experts=cfg.num_experts, router_jitter_noise=0.0)
+    if cfg.family == "qwen3_moe":
+        config.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.expert_width,
+                      norm_topk_prob=cfg.router_renormalize, decoder_sparse_step=1, mlp_only_layers=[])
     return config
 
 

@@ -2,6 +2,8 @@
 
 HF stores torch Linear weights as [out, in]; ours are [in, out] with the head axis split out
 (see `trainer/model.py`). Both sides pair RoPE dimensions by halves (rotate_half), so q/k need no permutation.
+A Mixture of Experts' expert weights are stacked over [layers, experts] here and one tensor per expert on
+disk; transformers 5 holds each layer's experts in memory as one tensor (gate and up fused), which ingest also reads.
 """
 
 from __future__ import annotations
@@ -19,14 +21,22 @@ class TensorSpec:
     """One parameter: where it lives in our tree and in the HF checkpoint, and how to convert it."""
 
     path: tuple[str, ...]  # our param path; under "layers" it is stacked over a leading layer axis
-    hf_name: str  # "{i}" stands for the layer index
-    hf_shape: tuple[int, ...]
+    hf_name: str  # "{i}" stands for the layer index, "{e}" for the expert's (stacked over a second axis)
+    hf_shape: tuple[int, ...]  # of one tensor (one layer's, one expert's)
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    # transformers 5's name in memory ("{i}"), where it differs from the name on disk; for experts, the tensor of
+    # all the layer's experts, in which each expert has `fused[1]` slices of hf_shape and this is slice `fused[0]`.
+    memory_name: str = ""
+    fused: tuple[int, int] = (0, 1)
 
     @property
     def stacked(self) -> bool:
         return self.path[0] == "layers"
+
+    @property
+    def experts(self) -> bool:
+        return "{e}" in self.hf_name
 
 
 def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
@@ -68,15 +78,34 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         ]
     else:
         specs.append(TensorSpec(("layers", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", (d,), same, same))
-    specs += [
+    specs += _moe_specs(cfg, layer) if cfg.moe else [
         TensorSpec(("layers", "mlp", "gate_proj", "kernel"), layer + "mlp.gate_proj.weight", (m, d), t, t),
         TensorSpec(("layers", "mlp", "up_proj", "kernel"), layer + "mlp.up_proj.weight", (m, d), t, t),
         TensorSpec(("layers", "mlp", "down_proj", "kernel"), layer + "mlp.down_proj.weight", (d, m), t, t),
-        TensorSpec(("final_norm", "scale"), "model.norm.weight", (d,), same, same),
     ]
+    specs.append(TensorSpec(("final_norm", "scale"), "model.norm.weight", (d,), same, same))
     if not cfg.tie_embeddings:
         specs.append(TensorSpec(("lm_head", "kernel"), "lm_head.weight", (v, d), t, t))
     return specs
+
+
+def _moe_specs(cfg: ModelConfig, layer: str) -> list[TensorSpec]:
+    """The router and experts: Mixtral's block_sparse_moe (renamed mlp in memory) or Qwen3-MoE's mlp on disk."""
+    d, f, n = cfg.emb_dim, cfg.expert_width, cfg.num_experts
+    t = lambda w: w.T  # noqa: E731
+    on_disk, in_memory = layer + ("block_sparse_moe." if cfg.family == "mixtral" else "mlp."), layer + "mlp."
+    gate, up, down = ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    expert = on_disk + "experts.{e}."
+    return [
+        TensorSpec(("layers", "moe", "router", "kernel"), on_disk + "gate.weight", (n, d), t, t,
+                   memory_name=in_memory + "gate.weight"),
+        TensorSpec(("layers", "moe", "gate_proj"), expert + gate + ".weight", (f, d), t, t,
+                   memory_name=in_memory + "experts.gate_up_proj", fused=(0, 2)),
+        TensorSpec(("layers", "moe", "up_proj"), expert + up + ".weight", (f, d), t, t,
+                   memory_name=in_memory + "experts.gate_up_proj", fused=(1, 2)),
+        TensorSpec(("layers", "moe", "down_proj"), expert + down + ".weight", (d, f), t, t,
+                   memory_name=in_memory + "experts.down_proj"),
+    ]
 
 
 
@@ -91,11 +120,25 @@ def _ours_shape(spec: TensorSpec) -> tuple[int, ...]:
 
 
 def stacked_shape(spec: TensorSpec, cfg: ModelConfig) -> tuple[int, ...]:
-    """Our parameter's shape: with a leading layer axis when scanned."""
-    return (cfg.num_layers, *_ours_shape(spec)) if spec.stacked else _ours_shape(spec)
+    """Our parameter's shape: with leading layer (and expert) axes when scanned."""
+    stack = (cfg.num_layers,) * spec.stacked + (cfg.num_experts,) * spec.experts
+    return (*stack, *_ours_shape(spec))
 
 
 def hf_names(spec: TensorSpec, cfg: ModelConfig) -> list[str]:
-    """The tensor's names in the HF checkpoint: one per layer when stacked."""
+    """The tensor's names in the HF checkpoint: one per layer when stacked, per expert of each layer for experts."""
+    if spec.experts:
+        return [spec.hf_name.format(i=i, e=e) for i in range(cfg.num_layers) for e in range(cfg.num_experts)]
     return [spec.hf_name.format(i=i) for i in range(cfg.num_layers)] if spec.stacked else [spec.hf_name]
+
+
+def in_memory(spec: TensorSpec, cfg: ModelConfig, index: int) -> tuple[str, tuple[int, ...], int]:
+    """Where hf_names(spec, cfg)[index] lies in transformers' in-memory tensors: (name, shape, first row),
+    a row being hf_shape[1:]."""
+    if not spec.experts:
+        return spec.memory_name.format(i=index), spec.hf_shape, 0
+    layer, expert = divmod(index, cfg.num_experts)
+    slot, slots = spec.fused
+    shape = (cfg.num_experts, slots * spec.hf_shape[0], *spec.hf_shape[1:])
+    return spec.memory_name.format(i=layer), shape, (expert * slots + slot) * spec.hf_shape[0]
 

@@ -1,9 +1,9 @@
 """HF checkpoint -> our param-only Orbax checkpoint (ingest), or -> an in-memory param tree (load_hf_params).
 
 Each tensor is read through fsspec (the source may be any URL) straight into its slot of the stacked
-output, or through a small block buffer when it is transposed or cast; ingest converts a layer (or a
-block of vocabulary rows) at a time, two at once, and writes each as soon as it is converted, so it
-holds four such parts at a time.
+output, or through a small block buffer when it is transposed or cast; ingest converts a layer (with all
+its experts in a Mixture of Experts) or a block of vocabulary rows at a time, two at once, and writes each
+as soon as it is converted, so it holds four such parts at a time.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 from configs import ModelConfig, UserError
 from trainer.hf_config import check_hf_config, read_hf_config
-from trainer.hf_tensors import TensorSpec, hf_names, is_transposed, stacked_shape, tensor_specs
+from trainer.hf_tensors import TensorSpec, hf_names, in_memory, is_transposed, stacked_shape, tensor_specs
 from trainer.param_writer import LazyParam, save_lazy_params, split
 from trainer.safetensors_io import CheckpointDir, as_bits, open_checkpoint
 
@@ -30,7 +30,8 @@ _SUMMARY_KEYS = (  # the HF config.json keys ingest reports
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
     "rope_theta", "rope_parameters", "rope_scaling", "sliding_window", "layer_types", "tie_word_embeddings",
-    "bos_token_id", "eos_token_id", "dtype", "torch_dtype", "transformers_version",
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "router_aux_loss_coef", "bos_token_id", "eos_token_id", "dtype", "torch_dtype", "transformers_version",
 )
 _BLOCK_BYTES = 8 << 20  # how much of a tensor is read at once when it must be converted on the way
 _SPLIT_BYTES = 1 << 20  # a stacked parameter whose layers are this big is converted and written layer by layer
@@ -45,7 +46,7 @@ def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool = Fa
 
 
 def _converted_params(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Iterator[tuple[TensorSpec, np.ndarray]]:
-    """Each parameter in turn, converted (stacked over layers where scanned); checks names and shapes."""
+    """Each parameter in turn, converted (stacked over layers, and experts, where scanned); checks names and shapes."""
     fill = _converter(hf_dir, cfg, allow_pickle)
     for spec in tensor_specs(cfg):
         value = np.empty(stacked_shape(spec, cfg), np.dtype(cfg.param_dtype))
@@ -57,7 +58,18 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
     """Check the checkpoint's tensor names and shapes; return fill(spec, out, k=0, parts=1), converting one parameter."""
     files = open_checkpoint(CheckpointDir(hf_dir), allow_pickle)
     dtype = np.dtype(cfg.param_dtype)
-    expected = {name for spec in tensor_specs(cfg) for name in hf_names(spec, cfg)}
+
+    def locate(spec: TensorSpec, index: int, name: str) -> tuple[str, tuple[int, ...], int]:
+        """(The checkpoint's tensor holding HF tensor `name`, that tensor's expected shape, the first row there):
+        the tensor itself or, when the checkpoint has transformers' in-memory names, the one it is part of."""
+        if name not in files and spec.memory_name:
+            memory = in_memory(spec, cfg, index)
+            if memory[0] in files:
+                return memory
+        return name, spec.hf_shape, 0
+
+    where = {name: locate(spec, i, name) for spec in tensor_specs(cfg) for i, name in enumerate(hf_names(spec, cfg))}
+    expected = {tensor for tensor, _, _ in where.values()}
     if cfg.tie_embeddings:
         expected.add("lm_head.weight")  # HF ignores it too when the embeddings are tied
     extra = sorted(n for n in files if n not in expected and not n.endswith("rotary_emb.inv_freq"))
@@ -69,25 +81,28 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
     # Every name and shape is checked here, before anything is written.
     for spec in tensor_specs(cfg):
         for name in hf_names(spec, cfg):
-            if name not in files:
+            tensor, expected_shape, _ = where[name]
+            if tensor not in files:
                 raise UserError(f"HF checkpoint lacks tensor {name} (the model expects {spec.hf_shape})")
-            shape = tuple(files[name].tensors[name]["shape"])
-            if shape != spec.hf_shape:
+            shape = tuple(files[tensor].tensors[tensor]["shape"])
+            if shape != expected_shape:
                 raise UserError(
-                    f"HF checkpoint does not fit the model config: parameter {name} is {shape} "
-                    f"in the checkpoint but {spec.hf_shape} in the model"
+                    f"HF checkpoint does not fit the model config: parameter {tensor} is {shape} "
+                    f"in the checkpoint but {expected_shape} in the model"
                 )
     local = threading.local()  # a read buffer per thread: parts are converted in parallel
 
     def copy(spec: TensorSpec, name: str, out: np.ndarray, first: int = 0, count: int | None = None) -> None:
         """out[...] = to_ours(rows first.. first+count of the tensor, default all), reading them once."""
-        file, transpose = files[name], is_transposed(spec)
-        src_dtype = file.dtype(name)
         count = (spec.hf_shape[0] if spec.hf_shape else 1) - first if count is None else count
+        tensor, _, offset = where[name]  # a row is hf_shape[1:] (of a fused tensor too)
+        first += offset
+        file, transpose = files[tensor], is_transposed(spec)
+        src_dtype = file.dtype(tensor)
         width = math.prod(spec.hf_shape[1:])  # elements in one row of the tensor
         rows_out = out.reshape((width, count) if transpose else (count, width))
         if src_dtype == dtype and not transpose:
-            file.read_into(name, rows_out, first)  # the same bytes in the same order: straight into place
+            file.read_into(tensor, rows_out, first)  # the same bytes in the same order: straight into place
             return
         rows = max(1, min(count, _BLOCK_BYTES // max(1, width * src_dtype.itemsize)))
         scratch = getattr(local, "scratch", None)
@@ -96,7 +111,7 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
         for start in range(0, count, rows):
             n = min(rows, count - start)
             buffer = scratch[: n * width * src_dtype.itemsize].view(src_dtype).reshape(n, width)
-            block = file.rows(name, first + start, buffer)
+            block = file.rows(tensor, first + start, buffer)
             if not transpose:
                 rows_out[start : start + n] = block
                 continue
@@ -112,14 +127,14 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
     def fill(spec: TensorSpec, out: np.ndarray, k: int = 0, parts: int = 1) -> None:
         """Convert part k of `parts` of the parameter into `out`: all of it, layer k, or block k of the tensor's rows."""
         names = hf_names(spec, cfg)
-        if parts == 1:
-            for i, name in enumerate(names):
-                copy(spec, name, out[i] if spec.stacked else out)
-        elif spec.stacked:
-            copy(spec, names[k], out[0])
-        else:
+        if not spec.stacked:
             n = spec.hf_shape[0] // parts
             copy(spec, names[0], out, k * n, n)
+            return
+        per_layer = cfg.num_experts if spec.experts else 1
+        for j, layer in enumerate(range(cfg.num_layers) if parts == 1 else [k]):
+            for e in range(per_layer):
+                copy(spec, names[layer * per_layer + e], out[j, e] if spec.experts else out[j])
 
     return fill
 
@@ -154,7 +169,7 @@ def _lazy_param(spec: TensorSpec, cfg: ModelConfig, fill: Callable[..., None], p
     """The parameter as parts converted and written one by one: its layers, or blocks of the tensor's rows."""
     shape, dtype = stacked_shape(spec, cfg), np.dtype(cfg.param_dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    if spec.stacked:  # layer by layer, unless the layers are tiny (norm scales)
+    if spec.stacked:  # layer by layer (with all its experts), unless the layers are tiny (norm scales)
         axis, parts = 0, (cfg.num_layers if nbytes // cfg.num_layers >= _SPLIT_BYTES else 1)
     else:  # the embedding and output head: blocks of vocabulary rows (our columns when transposed)
         parts = split(spec.hf_shape[0] if spec.hf_shape else 1, nbytes, part_bytes)

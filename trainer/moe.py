@@ -2,8 +2,8 @@
 
 A router's softmax over all experts picks each token's k experts (Mixtral and Qwen3-MoE, as transformers
 computes them); the chosen weights are optionally renormalised to sum to 1. The experts then run either
-- dropless: every (token, expert) pair sorted by expert and run as one grouped matmul (`jax.lax.ragged_dot`,
-  on CPU, GPU and TPU), or
+- dropless: every (token, expert) pair sorted by expert and run as one grouped matmul (`jax.lax.ragged_dot` on
+  GPU and TPU; on CPU, where XLA computes ragged_dot as every group over all rows, tiles of one expert each), or
 - with a capacity: each sequence's pairs laid into [experts, capacity] slots, pairs past an expert's capacity
   dropped (the token keeps only its residual for that expert); slots are batched matmuls whose expert axis
   shards over the mesh's `expert` axis, so XLA moves tokens to their experts by all-to-all.
@@ -36,6 +36,35 @@ def _expert_mlp(x: Array, experts: Experts, act: Callable[[Array], Array], matmu
     return matmul(act(matmul(x, gate)) * matmul(x, up), down)
 
 
+def grouped_matmul(x: Array, w: Array, sizes: Array) -> Array:
+    """Rows x [P, D] in groups of `sizes` [E] rows, group e times w[e] [D, F] -> [P, F]."""
+    if jax.default_backend() != "cpu":
+        return jax.lax.ragged_dot(x, w, sizes)
+    # XLA:CPU's ragged_dot multiplies every row by every group's matrix (measured 9x a dense matmul of the same
+    # FLOPs for 8 groups); tiles of one group each, padded, run as one batched matmul at ~1.7x.
+    return _tiled_matmul(x, w, sizes, tile=max(1, min(256, x.shape[0] // w.shape[0])))
+
+
+def _tiled_matmul(x: Array, w: Array, sizes: Array, tile: int) -> Array:
+    """grouped_matmul as tiles of `tile` rows: each group's rows padded to whole tiles, a tile times its group's w."""
+    rows, groups = x.shape[0], w.shape[0]
+    tiles = rows // tile + groups  # each group wastes less than one tile
+    group_end = jnp.cumsum(sizes)
+    group_start = group_end - sizes
+    tile_end = jnp.cumsum((sizes + tile - 1) // tile)
+    tile_start = tile_end - (sizes + tile - 1) // tile
+    tile_group = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(tiles), side="right"), groups - 1)
+    slot = jnp.arange(tiles * tile)
+    group = tile_group[slot // tile]
+    offset = slot - tile_start[group] * tile  # the slot's row within its group
+    source = jnp.where((offset < sizes[group]) & (slot // tile < tile_end[group]), group_start[group] + offset, rows)
+    padded = jnp.concatenate([x, jnp.zeros_like(x[:1])])[source].reshape(tiles, tile, -1)
+    y = jnp.einsum("ntd,ndf->ntf", padded, w[tile_group]).reshape(tiles * tile, -1)
+    row = jnp.arange(rows)
+    row_group = jnp.searchsorted(group_end, row, side="right")
+    return y[tile_start[row_group] * tile + row - group_start[row_group]]
+
+
 def dropless(x: Array, experts: Array, weights: Array, params: Experts, act: Callable[[Array], Array]) -> Array:
     """Every token through its k experts: x [T, D], experts/weights [T, k] -> [T, D]."""
     tokens, k = experts.shape
@@ -43,7 +72,7 @@ def dropless(x: Array, experts: Array, weights: Array, params: Experts, act: Cal
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pairs grouped by expert, in token order within each
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    grouped = lambda a, w: jax.lax.ragged_dot(a, w, sizes)  # noqa: E731
+    grouped = lambda a, w: grouped_matmul(a, w, sizes)  # noqa: E731
     y = _expert_mlp(jnp.take(x, order // k, axis=0), params, act, grouped)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     y = jnp.take(y, inverse, axis=0).reshape(tokens, k, -1)

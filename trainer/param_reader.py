@@ -115,7 +115,11 @@ def stored_params(directory: str | Path) -> Any:
 
 
 class ReadOnce:
-    """An array read (or copied to host) once, however often it or its layers are asked for; let go after `uses` reads."""
+    """An array read (or copied to host) once, however often it or its layers are asked for; let go after `uses` reads.
+
+    A StoredArray asked for one layer (and expert) reads only that slice: an MoE layer's experts together are
+    E times a dense MLP's weight, too much to hold whole.
+    """
 
     def __init__(self, array: Any, uses: int = 1) -> None:
         self.array, self.uses, self.value = array, uses, None
@@ -125,11 +129,14 @@ class ReadOnce:
     def __getitem__(self, layer: int) -> ReadOnceLayer:
         return ReadOnceLayer(self, layer)
 
-    def read(self, layer: int | None = None) -> np.ndarray:
+    def read(self, layer: int | None = None, expert: int | None = None) -> np.ndarray:
+        index = tuple(i for i in (layer, expert) if i is not None)
+        if index and isinstance(self.array, StoredArray):
+            return np.asarray(StoredArray(self.array.store[index]))
         with self.lock:
             if self.value is None:
                 self.value = np.asarray(self.array)
-            out = self.value if layer is None else self.value[layer]
+            out = self.value[index]
             self.uses -= 1
             if not self.uses:
                 self.value = None

@@ -88,30 +88,32 @@ class SafetensorsFile:
             raise UserError(f"{self.shown}: tensor {name} has dtype {info['dtype']}; expected a float dtype")
         return np.dtype(_ST_TO_NP[info["dtype"]])
 
-    def _offset(self, name: str, row: int) -> int:
-        """Where row `row` of the tensor starts in the file (checking the tensor lies within it)."""
+    def _offset(self, name: str, row: int, row_size: int) -> int:
+        """Where row `row` of the tensor, in rows of `row_size` elements, starts in the file (checking the tensor lies
+        within it)."""
         info = self.tensors[name]
         begin, end = info["data_offsets"]
         itemsize = self.dtype(name).itemsize
         if (end - begin) != math.prod(info["shape"]) * itemsize or self.data_start + end > self.size:
             raise UserError(f"{self.shown}: file is truncated or corrupt (tensor {name})")
-        return self.data_start + begin + row * math.prod(info["shape"][1:]) * itemsize
+        return self.data_start + begin + row * row_size * itemsize
 
     def rows(self, name: str, start: int, out: np.ndarray) -> np.ndarray:
-        """Rows start.. of the tensor as `out`'s shape: a map of the file when local, else read into `out`."""
+        """Rows start.. of the tensor as `out`'s shape (a row: out.shape[1:]): a map of the file when local, else
+        read into `out`."""
         if not self.local:
             self.read_into(name, out, start)
             return out
-        offset = self._offset(name, start)
+        offset = self._offset(name, start, math.prod(out.shape[1:]))
         aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
         mapped = mmap.mmap(self.file.fileno(), offset - aligned + out.nbytes, offset=aligned, access=mmap.ACCESS_READ)
         return np.frombuffer(mapped, out.dtype, out.size, offset=offset - aligned).reshape(out.shape)
 
     def read_into(self, name: str, out: np.ndarray, start: int = 0) -> None:
-        """Fill `out` (contiguous, the tensor's dtype) with the tensor's bytes from row `start` on."""
+        """Fill `out` (contiguous, the tensor's dtype) with the tensor's bytes from row `start` (a row: out.shape[1:])."""
         if not out.flags.c_contiguous:
             raise ValueError("read_into needs a contiguous output")
-        offset = self._offset(name, start)
+        offset = self._offset(name, start, math.prod(out.shape[1:]))
         view = memoryview(as_bits(out).reshape(-1)).cast("B")
         got = 0
         with self.lock:
@@ -156,7 +158,8 @@ class PickleFile:
         return self._array(name).dtype
 
     def rows(self, name: str, start: int, out: np.ndarray) -> np.ndarray:
-        return self._array(name)[start : start + len(out)].reshape(out.shape)
+        rows = self._array(name).reshape(-1, math.prod(out.shape[1:]))
+        return rows[start : start + len(out)].reshape(out.shape)
 
     def read_into(self, name: str, out: np.ndarray, start: int = 0) -> None:
         np.copyto(out, self.rows(name, start, out))

@@ -45,6 +45,20 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     )),
+    # Mixtures of Experts: top-2 of 8 with the window; top-3 of 4 without renormalising (Qwen3-MoE's default)
+    # and top-2 of 8 with it, experts narrower than intermediate_size.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_hidden_layers=2, tie_word_embeddings=False, sliding_window=WINDOW, num_local_experts=8,
+        num_experts_per_tok=2,
+    )),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=2, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=48,
+        norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )),
+    "qwen3_moe_norm_topk": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=2, tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True,
+    )),
 }
 
 

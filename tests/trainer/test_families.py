@@ -10,12 +10,13 @@ relative here, while a conversion bug (a missing norm offset, a wrong window, Ro
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from configs import UserError, load_config
@@ -23,7 +24,9 @@ from tests.trainer.hf_models import FAMILIES, VOCAB, tiny_model
 from trainer.decode import generate_batch
 from trainer.loss import token_loss
 from trainer.export import export_hf
-from trainer.hf_config import check_hf_config, hf_config_from_model, model_config_from_hf, read_hf_config
+from trainer.hf_config import (
+    check_exportable, check_hf_config, hf_config_from_model, model_config_from_hf, read_hf_config,
+)
 from trainer.ingest import ingest, load_hf_params
 from trainer.model import Transformer
 from trainer.param_reader import abstract_params, load_params
@@ -117,15 +120,73 @@ def test_export_refuses_features_the_family_lacks(tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["sliding_window"] == 48
 
 
+def test_ingest_reads_experts_fused_as_transformers_holds_them(tmp_path, monkeypatch):
+    """A state_dict() checkpoint (each layer's experts in one tensor, gate and up fused; Mixtral's block_sparse_moe
+    named mlp) ingests as save_pretrained's per-expert one, converted layer by layer in blocks of a few rows."""
+    monkeypatch.setattr("trainer.ingest._SPLIT_BYTES", 1)
+    monkeypatch.setattr("trainer.ingest._BLOCK_BYTES", 3 * 64 * 4)
+    for family in ("mixtral", "qwen3_moe"):
+        model, out = tiny_model(family), tmp_path / family
+        model.save_pretrained(out / "hf")
+        state = model.state_dict()
+        assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+        (out / "fused").mkdir()
+        save_file({name: t.contiguous() for name, t in state.items()}, out / "fused" / "model.safetensors")
+        shutil.copy(out / "hf" / "config.json", out / "fused")
+        cfg = model_config_from_hf(read_hf_config(out / "hf"))
+        ingest(out / "fused", out / "ours", cfg, log=lambda _: None)
+        got, want = load_params(out / "ours", abstract_params(cfg)), load_hf_params(out / "hf", cfg)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), got, want)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"decoder_sparse_step": 2}, "every layer is MoE"),
+    ({"mlp_only_layers": [0]}, "every layer is MoE"),
+    ({"shared_expert_intermediate_size": 64}, "no shared expert"),
+    ({"use_sliding_window": True, "sliding_window": 32}, "full attention only"),
+    ({"num_experts": 0}, "expected a Mixture of Experts"),
+    ({"num_experts_per_tok": 9}, "experts_per_token .9. exceeds model.num_experts .8."),
+])
+def test_moe_configs_maxpipe_cannot_run_are_refused(change, message):
+    hf = hf_config_from_model(load_config("tiny", ["model.name=tiny_qwen3_moe"]).model, None, None)
+    assert model_config_from_hf(hf).num_experts == 8
+    with pytest.raises(UserError, match=message):
+        model_config_from_hf(hf | change)
+
+
+def test_moe_settings_are_checked_against_the_family():
+    mixtral = load_config("tiny", ["model.name=tiny_mixtral"]).model
+    for update, message in [
+        ({"family": "mistral"}, r"model\.family mistral fixes model\.num_experts to 0"),
+        ({"num_experts": 0}, "is a Mixture of Experts but model.num_experts is 0"),
+        ({"router_renormalize": False}, r"model\.family mixtral fixes model\.router_renormalize to True"),
+        ({"expert_mlp_dim": 64}, "model.expert_mlp_dim is 64: set it to 0"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            check_exportable(mixtral.model_copy(update=update))
+    hf = hf_config_from_model(mixtral, None, None)
+    with pytest.raises(UserError, match="model.experts_per_token is 3 but the checkpoint's num_experts_per_tok"):
+        check_hf_config(hf, mixtral.model_copy(update={"experts_per_token": 3}))
+    check_hf_config(hf, mixtral.model_copy(update={"load_balance_weight": 0.1, "capacity_factor": 1.25}))
+    # A dense model's MoE fields do nothing, so a dense checkpoint fits whatever they say.
+    dense = load_config("tiny", []).model
+    check_hf_config(hf_config_from_model(dense, None, None), dense.model_copy(update={"experts_per_token": 4}))
+
+
 # Published parameter counts of the real models (their model cards / HF config + safetensors index).
+# MoE totals: Mixtral 8x7B's safetensors (46.7B), a Mixtral-8x22B-v0.1 finetune's safetensors metadata (141B),
+# Qwen3-30B-A3B's card 30.5B; their active parameters (k experts of each layer, embeddings included) are
+# the cards' rounded 12.9B, 39B and 3.3B.
 PUBLISHED = {
     "llama2_7b": 6_738_415_616, "llama3_8b": 8_030_261_248, "llama3_1_8b": 8_030_261_248,
     "mistral_7b": 7_241_732_096, "qwen3_0_6b": 596_049_920, "gemma_2b": 2_506_172_416,
-    "gemma2_2b": 2_614_341_888, "gemma3_1b": 999_885_952,
+    "gemma2_2b": 2_614_341_888, "gemma3_1b": 999_885_952, "mixtral_8x7b": 46_702_792_704,
+    "mixtral_8x22b": 140_630_071_296, "qwen3_30b_a3b": 30_532_122_624,
 }
+ACTIVE = {"mixtral_8x7b": 12.9e9, "mixtral_8x22b": 39e9, "qwen3_30b_a3b": 3.3e9}
 
 
-@pytest.mark.parametrize("name", [*PUBLISHED, "tiny_gemma3", "tiny_mistral"])
+@pytest.mark.parametrize("name", [*PUBLISHED, "tiny_gemma3", "tiny_mistral", "tiny_mixtral", "tiny_qwen3_moe"])
 def test_named_configs_build_the_same_model_in_transformers(name, tmp_path):
     from transformers import AutoConfig
 
@@ -139,3 +200,6 @@ def test_named_configs_build_the_same_model_in_transformers(name, tmp_path):
     assert type(model).__name__ == hf["architectures"][0]
     ours = param_count(abstract_params(cfg))
     assert ours == sum(p.numel() for p in model.parameters()) == PUBLISHED.get(name, ours)
+    if name in ACTIVE:
+        idle = cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.emb_dim * cfg.expert_width
+        assert ours - idle == pytest.approx(ACTIVE[name], rel=0.02)  # Qwen's 3.3B is 3.35B with the embeddings

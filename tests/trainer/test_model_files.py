@@ -275,6 +275,112 @@ HUB: dict[str, dict] = {
         "use_cache": True,
         "vocab_size": 262144,
     },
+    # mistralai/Mixtral-8x7B-v0.1. Verbatim copy: github.com/NVIDIA/TensorRT-LLM
+    # tests/unittest/_torch/modeling/test_modeling_mixtral.py (commit c4dc529f, `MIXTRAL_8X7B_CONFIG`).
+    # Cross-check: mlc-ai/mlc-llm model_preset.py `Mixtral-8x7B-v0.1`, identical.
+    "mixtral_8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "model_type": "mixtral",
+        "num_attention_heads": 32,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.02,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.36.0.dev0",
+        "use_cache": True,
+        "vocab_size": 32000,
+    },
+    # mistralai/Mixtral-8x22B-v0.1. No verbatim copy of this file was found. Taken from the verbatim file of
+    # the community conversion released first, mistral-community/Mixtral-8x22B-v0.1 (github.com/scaleapi/llm-engine
+    # model-engine/tests/unit/domain/test_llm_use_cases.py, commit 28edd64a, `test_infer_hardware`), with the one
+    # key in which the mistralai upload differs: vocab_size 32768 (its v3 tokenizer), not 32000. Evidence:
+    # AI-Hypercomputer/maxtext configs/models/mixtral-8x22b.yml (vocab_size 32768, "tokenizer.mistral-v3"; its
+    # PR #1012 corrected 32000 to 32768 "aligned with [the] model config"); the Instruct file's vocab_size 32768
+    # (Lightning-AI/litgpt PR #1845 review); a safetensors count of 140,630,071,296 for a finetune of
+    # mistralai/Mixtral-8x22B-v0.1 (32768 rows). Every other architecture value is cross-checked against
+    # microsoft/superbenchmark superbench/benchmarks/model_benchmarks/pytorch_mixtral.py, which cites
+    # mistralai/Mixtral-8x22B-v0.1's config.json (6144, 56 layers, 48 heads, 16384, 8 kv heads, 65536 positions,
+    # router_aux_loss_coef 0.001), and maxtext's file (head_dim 128, 8 experts top-2, RoPE base 1e6, eps 1e-5).
+    # Non-architecture keys (transformers_version, router_jitter_noise) are the community file's and may differ.
+    "mixtral_8x22b": {
+        "architectures": ["MixtralForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 6144,
+        "initializer_range": 0.02,
+        "intermediate_size": 16384,
+        "max_position_embeddings": 65536,
+        "model_type": "mixtral",
+        "num_attention_heads": 48,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 56,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000,
+        "router_aux_loss_coef": 0.001,
+        "router_jitter_noise": 0.0,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.0.dev0",
+        "vocab_size": 32768,
+    },
+    # Qwen/Qwen3-30B-A3B. Verbatim copy: citsjtu2020/LLM-Prof sglang/Model_Config.md (commit 8434c8d1,
+    # "Qwen3-30B-A3B"). Cross-check: zyzshishui/slime scripts/models/qwen3-30B-A3B.sh (Megatron arguments) and
+    # AI-Hypercomputer/maxtext configs/models/qwen3-30b-a3b.yml agree on every architecture value (maxtext's RoPE
+    # base 1e7 is that of the later -2507 release).
+    "qwen3_30b_a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
 }
 
 # Not in a config.json: our name for the model and our compute / master-weight dtypes.
@@ -288,7 +394,7 @@ def _ours(name: str):
 def test_every_real_size_model_file_is_covered():
     from configs import available
 
-    tiny = {"demo", "tiny", "tiny_gemma3", "tiny_mistral"}
+    tiny = {"demo", "tiny", "tiny_gemma3", "tiny_mistral", "tiny_mixtral", "tiny_qwen3_moe"}
     assert set(available("models")) - tiny == set(HUB)
 
 
@@ -331,6 +437,11 @@ def test_transformers_reads_the_hub_config_as_our_file(name):
     assert (getattr(text, "attn_logit_softcapping", None) or 0.0) == ours.attn_softcap
     assert (getattr(text, "final_logit_softcapping", None) or 0.0) == ours.final_softcap
     assert (getattr(text, "query_pre_attn_scalar", None) or 0.0) == ours.query_pre_attn_scalar
+    if ours.moe:  # transformers 5 names the expert count num_local_experts in both families
+        assert (text.num_local_experts, text.num_experts_per_tok) == (ours.num_experts, ours.experts_per_token)
+        assert getattr(text, "moe_intermediate_size", text.intermediate_size) == ours.expert_width
+        assert getattr(text, "norm_topk_prob", True) == ours.router_renormalize  # Mixtral always renormalises
+        assert getattr(text, "decoder_sparse_step", 1) == 1 and not getattr(text, "mlp_only_layers", [])
     if ours.sliding_window:
         assert text.sliding_window == ours.sliding_window
     else:  # every layer attends to the whole context
