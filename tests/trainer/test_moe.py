@@ -1,5 +1,6 @@
-"""Mixture-of-Experts routing: the load-balancing loss against transformers', dropless against capacity slots,
-dropped pairs counted, active-parameter FLOPs, and training with MoE (bf16, remat, accumulation, metrics)."""
+"""Mixture-of-Experts routing: the load-balancing loss against transformers' (on the same router logits, and on
+an ingested model), dropless against capacity slots, dropped pairs counted, the CPU grouped matmul, active-parameter
+FLOPs, expert-parallel memory, and training with MoE (bf16, remat, accumulation, metrics)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ import torch
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from configs import load_config
+from tests.trainer.hf_models import VOCAB, tiny_model
 from tests.trainer.test_metrics import tensorboard_scalars
 from tests.trainer.test_train_data import random_dataset, split_train
 from trainer import moe
+from trainer.hf_config import model_config_from_hf, read_hf_config
+from trainer.ingest import load_hf_params
 from trainer.metrics import train_flops_per_step
 from trainer.model import Transformer
-from trainer.train import train
+from trainer.train import compile_only, train
 
 MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.load_balance_weight=0.01"]
 
@@ -62,6 +66,39 @@ def test_tiled_grouped_matmul_equals_ragged_dot() -> None:
         got = jax.value_and_grad(loss(lambda x, w: moe._tiled_matmul(x, w, sizes, tile)), argnums=(0, 1))(x, w)
         # The same products; float32 sums in another order.
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), got, want)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_ingested_model_balances_as_transformers_model_does(family: str, tmp_path: Path) -> None:
+    hf_model = tiny_model(family)
+    hf_model.save_pretrained(tmp_path / "hf")
+    cfg = model_config_from_hf(read_hf_config(tmp_path / "hf"))
+    tokens = np.random.default_rng(0).integers(1, VOCAB, (2, 64))
+    mask = np.ones((2, 64), np.int64)
+    mask[1, 40:] = 0  # the second sequence is right-padded
+    with torch.no_grad():
+        out = hf_model(torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
+    # transformers adds coef x load_balancing_loss_func(router logits, E, k, attention_mask) to its loss.
+    theirs = load_balancing_loss_func(out.router_logits, cfg.num_experts, cfg.experts_per_token, torch.tensor(mask))
+    segment_ids = mask.astype(np.int32)  # padding is segment 0 in our batches
+    _, state = Transformer(cfg).apply(
+        {"params": load_hf_params(tmp_path / "hf", cfg)}, tokens, segment_ids=segment_ids, mutable=["intermediates"]
+    )
+    ours = moe.load_balance_loss(state["intermediates"]["moe"][0])
+    # Float32 router logits from two implementations of the layers below them: a top-k choice could flip on
+    # a near tie, which these random weights do not come near; the sums then differ in rounding only.
+    np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-5)
+
+
+def test_compile_only_reports_expert_parallel_memory() -> None:
+    cfg = load_config("tiny", MOE + ["train.batch_size=16"])
+    reports = {}
+    for mesh in ("{data: 8}", "{expert: 4, fsdp: 2}"):
+        train_cfg = cfg.train.model_copy(update={"mesh": load_config("tiny", [f"train.mesh={mesh}"]).train.mesh})
+        reports[mesh] = compile_only(cfg.model, train_cfg, 64, log=lambda _: None)
+    assert reports["{expert: 4, fsdp: 2}"]["mesh"] == {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}
+    # Experts split 4 ways and the rest 8 ways (embed over fsdp x expert): far less than replicated over data.
+    assert reports["{expert: 4, fsdp: 2}"]["argument_bytes"] < reports["{data: 8}"]["argument_bytes"] / 4
 
 
 def _model(*overrides: str) -> Transformer:
