@@ -244,6 +244,7 @@ class MoE(nn.Module):
     """
 
     cfg: ModelConfig
+    mesh: jax.sharding.Mesh | None = None  # whose devices the grouped matmul is compiled for (else JAX's default)
 
     @nn.compact
     def __call__(self, x: Array, valid: Array) -> tuple[Array, dict[str, Array]]:
@@ -268,7 +269,8 @@ class MoE(nn.Module):
             split = lambda a: a.reshape(*x.shape[:2], -1)  # noqa: E731
             out, kept = moe.with_capacity(x, split(experts), split(weights), params, act, cfg.capacity_factor, constrain)
         else:
-            out = moe.dropless(tokens.astype(dtype), experts, weights, params, act).reshape(x.shape)
+            platform = self.mesh.devices.flat[0].platform if self.mesh is not None else ""
+            out = moe.dropless(tokens, experts, weights, params, act, platform).reshape(x.shape)
         return out.astype(dtype), moe.router_stats(experts, probs, valid, kept)
 
 
@@ -291,7 +293,7 @@ class Block(nn.Module):
         x = x + (_norm(cfg, "attn_post_norm")(h) if cfg.post_norms else h)
         stats: dict[str, Array] = {}
         if cfg.moe:
-            h, stats = MoE(cfg, name="moe")(_norm(cfg, "mlp_norm")(x), valid)
+            h, stats = MoE(cfg, self.mesh, name="moe")(_norm(cfg, "mlp_norm")(x), valid)
         else:
             h = MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x))
         x = x + (_norm(cfg, "mlp_post_norm")(h) if cfg.post_norms else h)

@@ -36,9 +36,9 @@ def _expert_mlp(x: Array, experts: Experts, act: Callable[[Array], Array], matmu
     return matmul(act(matmul(x, gate)) * matmul(x, up), down)
 
 
-def grouped_matmul(x: Array, w: Array, sizes: Array) -> Array:
-    """Rows x [P, D] in groups of `sizes` [E] rows, group e times w[e] [D, F] -> [P, F]."""
-    if jax.default_backend() != "cpu":
+def grouped_matmul(x: Array, w: Array, sizes: Array, platform: str) -> Array:
+    """Rows x [P, D] in groups of `sizes` [E] rows, group e times w[e] [D, F] -> [P, F], compiled for `platform`."""
+    if platform != "cpu":
         return jax.lax.ragged_dot(x, w, sizes)
     # XLA:CPU's ragged_dot multiplies every row by every group's matrix (measured 9x a dense matmul of the same
     # FLOPs for 8 groups); tiles of one group each, padded, run as one batched matmul at ~1.7x.
@@ -65,14 +65,16 @@ def _tiled_matmul(x: Array, w: Array, sizes: Array, tile: int) -> Array:
     return y[tile_start[row_group] * tile + row - group_start[row_group]]
 
 
-def dropless(x: Array, experts: Array, weights: Array, params: Experts, act: Callable[[Array], Array]) -> Array:
-    """Every token through its k experts: x [T, D], experts/weights [T, k] -> [T, D]."""
+def dropless(
+    x: Array, experts: Array, weights: Array, params: Experts, act: Callable[[Array], Array], platform: str = "",
+) -> Array:
+    """Every token through its k experts: x [T, D], experts/weights [T, k] -> [T, D], on `platform` (default JAX's)."""
     tokens, k = experts.shape
     num_experts = params[0].shape[0]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pairs grouped by expert, in token order within each
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    grouped = lambda a, w: grouped_matmul(a, w, sizes)  # noqa: E731
+    grouped = lambda a, w: grouped_matmul(a, w, sizes, platform or jax.default_backend())  # noqa: E731
     y = _expert_mlp(jnp.take(x, order // k, axis=0), params, act, grouped)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     y = jnp.take(y, inverse, axis=0).reshape(tokens, k, -1)
