@@ -264,8 +264,10 @@ class MoE(nn.Module):
         )
         act, kept = _activation(cfg), None
         if cfg.capacity_factor:
-            constrain = lambda a, by_expert: nn.with_logical_constraint(  # noqa: E731
-                a, ("batch", "experts", None, None) if by_expert else ("batch", None, None, None))
+            def constrain(a: Array, by_expert: bool) -> Array:  # see moe.with_capacity
+                axes = ("batch", "experts") if by_expert else ("batch",)
+                return nn.with_logical_constraint(a, axes + (None,) * (a.ndim - len(axes)))
+
             split = lambda a: a.reshape(*x.shape[:2], -1)  # noqa: E731
             out, kept = moe.with_capacity(x, split(experts), split(weights), params, act, cfg.capacity_factor, constrain)
         else:

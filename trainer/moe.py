@@ -104,24 +104,27 @@ def with_capacity(
 ) -> tuple[Array, Array]:
     """x [B, S, D], experts/weights [B, S, k] -> ([B, S, D], kept [B, S, k]).
 
-    `constrain(a, by_expert)` lays out slots [B, E, C, D] by sequence (as the tokens) or by expert (as the
-    experts' weights): the change between the two is where tokens travel to their experts and back.
+    `constrain(a, by_expert)` lays out an array [B, ...] by sequence (as the tokens), or slots [B, E, C, D] by
+    expert (as the experts' weights): the change between the two is where tokens travel to their experts and back.
     """
     batch, seq_len, k = experts.shape
     num_experts = params[0].shape[0]
     slots = capacity(seq_len, k, num_experts, factor)
-    slot, kept = jax.vmap(lambda e: _slots(e, num_experts, slots))(experts)
-    # Which token fills each slot (seq_len: none, a zero row), then the slots gathered: [B, E * C, D].
+    by_sequence = lambda a: constrain(a, False)  # noqa: E731
+    slot, kept = jax.vmap(lambda e: _slots(e, num_experts, slots))(by_sequence(experts))
+    # Which token fills each slot (seq_len: none, a zero row), then the slots gathered: [B, E * C, D]. Indices
+    # are in bounds by construction, so the gathers need no out-of-bounds masking.
     token = jnp.broadcast_to(jnp.arange(seq_len * k) // k, slot.shape)
     source = jax.vmap(lambda s, t: jnp.full(num_experts * slots + 1, seq_len).at[s].set(t))(slot, token)
-    padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
-    buffer = jnp.take_along_axis(padded, source[:, :-1, None], axis=1).reshape(batch, num_experts, slots, -1)
-    buffer = constrain(constrain(buffer, False), True)
+    padded = by_sequence(jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1))
+    buffer = jnp.take_along_axis(padded, by_sequence(source)[:, :-1, None], axis=1, mode="promise_in_bounds")
+    buffer = constrain(by_sequence(buffer.reshape(batch, num_experts, slots, -1)), True)
     batched = lambda a, w: jnp.einsum("becd,edf->becf", a, w)  # noqa: E731
-    y = constrain(constrain(_expert_mlp(buffer, params, act, batched), True), False)
-    y = y.reshape(batch, num_experts * slots, -1)
+    y = by_sequence(constrain(_expert_mlp(buffer, params, act, batched), True))
+    y = by_sequence(y.reshape(batch, num_experts * slots, -1))
     y = jnp.concatenate([y, jnp.zeros_like(y[:, :1])], axis=1)  # dropped pairs read the zero slot
-    y = jnp.take_along_axis(y, slot[..., None], axis=1).reshape(batch, seq_len, k, -1)
+    y = jnp.take_along_axis(y, by_sequence(slot)[..., None], axis=1, mode="promise_in_bounds")
+    y = by_sequence(y).reshape(batch, seq_len, k, -1)
     return jnp.einsum("bskd,bsk->bsd", y, weights.astype(y.dtype)), kept.reshape(batch, seq_len, k)
 
 

@@ -350,13 +350,19 @@ def _shardings(tree: Any) -> Any:
 
 
 def _run_summary(path: Path, first_step: int) -> dict[str, float | None]:
-    """Final loss, mean loss of the last 10 steps, and tokens/s and MFU from `first_step` on (no compilation)."""
+    """Final loss, mean loss of the last 10 steps, tokens/s and MFU from `first_step` on (no compilation), and an
+    MoE's final balance."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     timed = [r for r in rows if r["step"] >= first_step] or rows[-1:]
     seconds = sum(r["step_time"] for r in timed)
-    return {
+    summary = {
         "final_loss": rows[-1]["loss"] if rows else None,
         "mean_loss_last_10": float(np.mean([r["loss"] for r in rows[-10:]])) if rows else None,
         "tokens_per_s": sum(r["tokens_per_s"] * r["step_time"] for r in timed) / seconds if timed else None,
         "mfu": sum(r["mfu"] * r["step_time"] for r in timed) / seconds if timed else None,
     }
+    if rows and "expert_load" in rows[-1]:  # MoE: how balanced the router ended, and what capacity dropped
+        load = rows[-1]["expert_load"]
+        summary.update(final_load_balance_loss=rows[-1]["load_balance_loss"], final_busiest_expert=max(load) * len(load),
+                       mean_dropped_fraction=float(np.mean([r["dropped_fraction"] for r in rows])))
+    return summary

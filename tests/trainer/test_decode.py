@@ -125,7 +125,7 @@ def test_sharded_forward_matches_unsharded(model):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices()[:8])
     boxed = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     sharded = jax.device_put(params, logical_shardings(boxed, mesh))
-    assert tuple(sharded["layers"]["attn"]["q_proj"]["kernel"].sharding.spec) == (None, "fsdp", "tensor", None)
+    assert tuple(sharded["layers"]["attn"]["q_proj"]["kernel"].sharding.spec) == (None, ("fsdp", "expert"), "tensor", None)
     tokens = jnp.asarray(np.random.default_rng(6).integers(1, 512, (4, 40)))
     with mesh, nn.logical_axis_rules(RULES):
         got = jax.jit(Transformer(cfg).apply)({"params": sharded}, tokens)
