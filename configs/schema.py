@@ -61,6 +61,7 @@ class ModelConfig(_Section):
     router_renormalize: bool
     load_balance_weight: NonNegFloat
     capacity_factor: NonNegFloat
+    moe_every: PosInt
 
     @property
     def moe(self) -> bool:
@@ -84,6 +85,8 @@ class ModelConfig(_Section):
             raise ValueError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor for llama3 RoPE scaling")
         if self.moe and self.experts_per_token > self.num_experts:
             raise ValueError(f"model.experts_per_token ({self.experts_per_token}) exceeds model.num_experts ({self.num_experts})")
+        if self.moe and self.num_layers % self.moe_every:
+            raise ValueError(f"model.moe_every ({self.moe_every}) must divide model.num_layers ({self.num_layers})")
         return self
 
 

@@ -44,13 +44,13 @@ _DENSE: dict[str, dict[str, Any]] = {
 }
 # The model features each family fixes; the ones left out are read from (and written to) config.json.
 _FIXED = {family: fixed | {"num_experts": 0} for family, fixed in _DENSE.items()} | {
-    "mixtral": dict(_MISTRAL, router_renormalize=True),  # Mixtral always renormalises the k router weights
+    "mixtral": dict(_MISTRAL, router_renormalize=True, moe_every=1),  # Mixtral: every layer, renormalised
     "qwen3_moe": dict(_PLAIN, qk_norm=True),
 }
 # A dense model's MoE fields (base.yml's defaults).
 _NO_MOE = dict(num_experts=0, experts_per_token=2, expert_mlp_dim=0, router_renormalize=True, load_balance_weight=0.0,
-               capacity_factor=0.0)
-_MOE_ONLY = ("experts_per_token", "expert_mlp_dim", "router_renormalize")  # what a dense model ignores
+               capacity_factor=0.0, moe_every=1)
+_MOE_ONLY = ("experts_per_token", "expert_mlp_dim", "router_renormalize", "moe_every")  # what a dense model ignores
 # ModelConfig field -> the HF config.json key it comes from (for error messages).
 _HF_KEYS = {
     "family": "model_type",
@@ -72,6 +72,7 @@ _HF_KEYS = {
     "experts_per_token": "num_experts_per_tok",
     "expert_mlp_dim": "moe_intermediate_size",
     "router_renormalize": "norm_topk_prob",
+    "moe_every": "decoder_sparse_step",
 }
 # Fields that do not change what the weights compute, so a checkpoint need not match them.
 _FREE_FIELDS = ("name", "max_seq_len", "init_std", "dtype", "param_dtype", "attention", "load_balance_weight",
@@ -176,10 +177,10 @@ def _check_supported(hf: dict, family: str) -> None:
     shared = next((k for k, v in hf.items() if "shared_expert" in k and v), None)
     if shared:
         raise UserError(f"HF config sets {shared}: {hf[shared]!r}; maxpipe's Mixtures of Experts have no shared expert")
-    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+    if hf.get("mlp_only_layers"):
         raise UserError(
-            f"HF config has decoder_sparse_step {hf.get('decoder_sparse_step', 1)} and mlp_only_layers "
-            f"{hf.get('mlp_only_layers') or []}; maxpipe supports Mixture-of-Experts models whose every layer is MoE"
+            f"HF config has mlp_only_layers {hf['mlp_only_layers']}; maxpipe's MoE layers are every "
+            f"decoder_sparse_step-th layer, with no others made dense"
         )
     if hf.get("use_bidirectional_attention"):
         raise UserError("HF config sets use_bidirectional_attention; maxpipe's decoder is causal")
@@ -256,6 +257,7 @@ def _moe_fields(hf: dict, family: str) -> dict:
         router_renormalize=mixtral or bool(hf.get("norm_topk_prob", False)),
         load_balance_weight=float(hf.get("router_aux_loss_coef", 0.001)),
         capacity_factor=0.0,
+        moe_every=1 if mixtral else hf.get("decoder_sparse_step", 1),
     )
 
 
@@ -336,7 +338,7 @@ def hf_config_from_model(cfg: ModelConfig, bos_id: int | None, eos_id: int | Non
         config.update(num_local_experts=cfg.num_experts, router_jitter_noise=0.0)
     if cfg.family == "qwen3_moe":
         config.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.expert_width,
-                      norm_topk_prob=cfg.router_renormalize, decoder_sparse_step=1, mlp_only_layers=[])
+                      norm_topk_prob=cfg.router_renormalize, decoder_sparse_step=cfg.moe_every, mlp_only_layers=[])
     return config
 
 

@@ -9,7 +9,7 @@ disk; transformers 5 holds each layer's experts in memory as one tensor (gate an
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -29,6 +29,7 @@ class TensorSpec:
     # all the layer's experts, in which each expert has `fused[1]` slices of hf_shape and this is slice `fused[0]`.
     memory_name: str = ""
     fused: tuple[int, int] = (0, 1)
+    layers: tuple[int, ...] = ()  # the layers stacked here, when not all (interleaved dense and MoE layers)
 
     @property
     def stacked(self) -> bool:
@@ -41,9 +42,34 @@ class TensorSpec:
 
 def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     """Every parameter of the model, in the order the HF export writes them."""
-    d, v, m, hd = cfg.emb_dim, cfg.vocab_size, cfg.mlp_dim, cfg.head_dim
-    same = lambda w: w  # noqa: E731
-    t = lambda w: w.T  # noqa: E731
+    d, v = cfg.emb_dim, cfg.vocab_size
+    specs = [TensorSpec(("embed", "embedding"), "model.embed_tokens.weight", (v, d), _same, _same)]
+    group = cfg.moe_every if cfg.moe else 1
+    if group == 1:
+        specs += _block_specs(cfg, cfg.moe)
+    else:  # interleaved: blocks j, j + group, ... stacked under layers/block_{j} (see trainer/model.py Blocks)
+        for j in range(group):
+            layers = tuple(range(j, cfg.num_layers, group))
+            specs += [replace(spec, path=("layers", f"block_{j}", *spec.path[1:]), layers=layers)
+                      for spec in _block_specs(cfg, sparse=j == group - 1)]
+    specs.append(TensorSpec(("final_norm", "scale"), "model.norm.weight", (d,), _same, _same))
+    if not cfg.tie_embeddings:
+        specs.append(TensorSpec(("lm_head", "kernel"), "lm_head.weight", (v, d), _t, _t))
+    return specs
+
+
+def _same(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def _t(w: np.ndarray) -> np.ndarray:
+    return w.T
+
+
+def _block_specs(cfg: ModelConfig, sparse: bool) -> list[TensorSpec]:
+    """One transformer block's parameters (stacked under `layers`), with an MoE MLP when `sparse`."""
+    d, m, hd = cfg.emb_dim, cfg.mlp_dim, cfg.head_dim
+    same, t = _same, _t
 
     def heads_in(n: int) -> tuple[Callable, Callable]:  # [n*hd, d] <-> [d, n, hd]
         return lambda w: w.T.reshape(d, n, hd), lambda k: k.reshape(d, n * hd).T
@@ -55,7 +81,6 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     layer = "model.layers.{i}."
     specs = [
-        TensorSpec(("embed", "embedding"), "model.embed_tokens.weight", (v, d), same, same),
         TensorSpec(("layers", "attn_norm", "scale"), layer + "input_layernorm.weight", (d,), same, same),
         TensorSpec(("layers", "attn", "q_proj", "kernel"), layer + "self_attn.q_proj.weight", (q, d),
                 *heads_in(cfg.num_heads)),
@@ -78,21 +103,16 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         ]
     else:
         specs.append(TensorSpec(("layers", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", (d,), same, same))
-    specs += _moe_specs(cfg, layer) if cfg.moe else [
+    return specs + (_moe_specs(cfg, layer) if sparse else [
         TensorSpec(("layers", "mlp", "gate_proj", "kernel"), layer + "mlp.gate_proj.weight", (m, d), t, t),
         TensorSpec(("layers", "mlp", "up_proj", "kernel"), layer + "mlp.up_proj.weight", (m, d), t, t),
         TensorSpec(("layers", "mlp", "down_proj", "kernel"), layer + "mlp.down_proj.weight", (d, m), t, t),
-    ]
-    specs.append(TensorSpec(("final_norm", "scale"), "model.norm.weight", (d,), same, same))
-    if not cfg.tie_embeddings:
-        specs.append(TensorSpec(("lm_head", "kernel"), "lm_head.weight", (v, d), t, t))
-    return specs
+    ])
 
 
 def _moe_specs(cfg: ModelConfig, layer: str) -> list[TensorSpec]:
     """The router and experts: Mixtral's block_sparse_moe (renamed mlp in memory) or Qwen3-MoE's mlp on disk."""
-    d, f, n = cfg.emb_dim, cfg.expert_width, cfg.num_experts
-    t = lambda w: w.T  # noqa: E731
+    d, f, n, t = cfg.emb_dim, cfg.expert_width, cfg.num_experts, _t
     on_disk, in_memory = layer + ("block_sparse_moe." if cfg.family == "mixtral" else "mlp."), layer + "mlp."
     gate, up, down = ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     expert = on_disk + "experts.{e}."
@@ -119,26 +139,33 @@ def _ours_shape(spec: TensorSpec) -> tuple[int, ...]:
     return spec.to_ours(np.empty(spec.hf_shape, np.uint8)).shape
 
 
+def stacked_layers(spec: TensorSpec, cfg: ModelConfig) -> tuple[int, ...]:
+    """The layers a stacked parameter holds, in order (none when not stacked)."""
+    return (spec.layers or tuple(range(cfg.num_layers))) if spec.stacked else ()
+
+
 def stacked_shape(spec: TensorSpec, cfg: ModelConfig) -> tuple[int, ...]:
     """Our parameter's shape: with leading layer (and expert) axes when scanned."""
-    stack = (cfg.num_layers,) * spec.stacked + (cfg.num_experts,) * spec.experts
+    stack = (len(stacked_layers(spec, cfg)),) * spec.stacked + (cfg.num_experts,) * spec.experts
     return (*stack, *_ours_shape(spec))
 
 
 def hf_names(spec: TensorSpec, cfg: ModelConfig) -> list[str]:
     """The tensor's names in the HF checkpoint: one per layer when stacked, per expert of each layer for experts."""
+    layers = stacked_layers(spec, cfg)
     if spec.experts:
-        return [spec.hf_name.format(i=i, e=e) for i in range(cfg.num_layers) for e in range(cfg.num_experts)]
-    return [spec.hf_name.format(i=i) for i in range(cfg.num_layers)] if spec.stacked else [spec.hf_name]
+        return [spec.hf_name.format(i=i, e=e) for i in layers for e in range(cfg.num_experts)]
+    return [spec.hf_name.format(i=i) for i in layers] if spec.stacked else [spec.hf_name]
 
 
 def in_memory(spec: TensorSpec, cfg: ModelConfig, index: int) -> tuple[str, tuple[int, ...], int]:
     """Where hf_names(spec, cfg)[index] lies in transformers' in-memory tensors: (name, shape, first row),
     a row being hf_shape[1:]."""
+    layers = stacked_layers(spec, cfg)
     if not spec.experts:
-        return spec.memory_name.format(i=index), spec.hf_shape, 0
+        return spec.memory_name.format(i=layers[index]), spec.hf_shape, 0
     layer, expert = divmod(index, cfg.num_experts)
     slot, slots = spec.fused
     shape = (cfg.num_experts, slots * spec.hf_shape[0], *spec.hf_shape[1:])
-    return spec.memory_name.format(i=layer), shape, (expert * slots + slot) * spec.hf_shape[0]
+    return spec.memory_name.format(i=layers[layer]), shape, (expert * slots + slot) * spec.hf_shape[0]
 

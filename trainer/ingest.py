@@ -20,7 +20,9 @@ import numpy as np
 
 from configs import ModelConfig, UserError
 from trainer.hf_config import check_hf_config, read_hf_config
-from trainer.hf_tensors import TensorSpec, hf_names, in_memory, is_transposed, stacked_shape, tensor_specs
+from trainer.hf_tensors import (
+    TensorSpec, hf_names, in_memory, is_transposed, stacked_layers, stacked_shape, tensor_specs,
+)
 from trainer.param_writer import LazyParam, save_lazy_params, split
 from trainer.safetensors_io import CheckpointDir, as_bits, open_checkpoint
 
@@ -132,7 +134,7 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
             copy(spec, names[0], out, k * n, n)
             return
         per_layer = cfg.num_experts if spec.experts else 1
-        for j, layer in enumerate(range(cfg.num_layers) if parts == 1 else [k]):
+        for j, layer in enumerate(range(len(stacked_layers(spec, cfg))) if parts == 1 else [k]):
             for e in range(per_layer):
                 copy(spec, names[layer * per_layer + e], out[j, e] if spec.experts else out[j])
 
@@ -170,7 +172,8 @@ def _lazy_param(spec: TensorSpec, cfg: ModelConfig, fill: Callable[..., None], p
     shape, dtype = stacked_shape(spec, cfg), np.dtype(cfg.param_dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if spec.stacked:  # layer by layer (with all its experts), unless the layers are tiny (norm scales)
-        axis, parts = 0, (cfg.num_layers if nbytes // cfg.num_layers >= _SPLIT_BYTES else 1)
+        layers = len(stacked_layers(spec, cfg))
+        axis, parts = 0, (layers if nbytes // layers >= _SPLIT_BYTES else 1)
     else:  # the embedding and output head: blocks of vocabulary rows (our columns when transposed)
         parts = split(spec.hf_shape[0] if spec.hf_shape else 1, nbytes, part_bytes)
         axis = len(shape) - 1 if is_transposed(spec) else 0

@@ -18,9 +18,10 @@ def train_flops_per_step(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     An MoE layer counts its router and the k experts each token runs through (active parameters), as MaxText does.
     """
     tokens = batch * seq_len
-    ffn = 2 * tokens * cfg.mlp_dim * cfg.emb_dim * 3  # gate, up and down projections
-    if cfg.moe:
-        ffn = 2 * tokens * cfg.emb_dim * (cfg.expert_width * 3 * cfg.experts_per_token + cfg.num_experts)
+    dense = 2 * tokens * cfg.mlp_dim * cfg.emb_dim * 3  # gate, up and down projections
+    sparse = 2 * tokens * cfg.emb_dim * (cfg.expert_width * 3 * cfg.experts_per_token + cfg.num_experts)
+    moe_layers = cfg.num_layers // cfg.moe_every if cfg.moe else 0
+    ffn = (moe_layers * sparse + (cfg.num_layers - moe_layers) * dense) / cfg.num_layers  # per layer, on average
     qkv = 2 * tokens * cfg.emb_dim * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     out = 2 * tokens * cfg.emb_dim * cfg.num_heads * cfg.head_dim
     attention = 4 * tokens * seq_len * cfg.num_heads * cfg.head_dim / 2

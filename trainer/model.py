@@ -4,13 +4,15 @@ One module, switched by config features (see the `model:` section of configs/bas
 (optionally (1 + w), Gemma), RoPE (plain, linear or Llama 3.1 scaled; its own base on local layers),
 grouped-query attention (optional QK-norm, query pre-attention scalar, logit soft-capping, sliding
 window on local layers), gated MLP (SwiGLU or GeGLU), optional post-attention/post-MLP norms,
-embedding scaling and final logit soft-capping, Mixture-of-Experts MLPs (trainer/moe.py), and an optional KV cache
-for decoding. Attention runs
-through the kernel chosen for the devices (trainer/attention.py: XLA, cuDNN flash attention or splash).
+embedding scaling and final logit soft-capping, Mixture-of-Experts MLPs (trainer/moe.py), and an optional
+KV cache for decoding. Attention runs through the kernel chosen for the devices (trainer/attention.py: XLA,
+cuDNN flash attention or splash).
 
 Every parameter carries logical axis names (embed, heads, kv, mlp, vocab, experts, layers); `sharding.py`
 maps them onto the device mesh. The layer stack is one `nn.scan`, so parameters of the blocks are
-stacked along a leading `layers` axis; whether a layer is local or global is a scanned input:
+stacked along a leading `layers` axis; whether a layer is local or global is a scanned input. When dense
+and MoE layers interleave (moe_every > 1), the scanned unit is a group of moe_every blocks whose last is
+MoE (`Blocks`), and each block's parameters sit under layers/block_{j}/ stacked over the groups:
 
     embed/embedding                     [vocab, embed]
     layers/attn_norm/scale              [layers, embed]
@@ -269,11 +271,17 @@ class MoE(nn.Module):
                 return nn.with_logical_constraint(a, axes + (None,) * (a.ndim - len(axes)))
 
             split = lambda a: a.reshape(*x.shape[:2], -1)  # noqa: E731
-            out, kept = moe.with_capacity(x, split(experts), split(weights), params, act, cfg.capacity_factor, constrain)
+            factor = cfg.capacity_factor
+            out, kept = moe.with_capacity(x, split(experts), split(weights), params, act, factor, constrain)
         else:
             platform = self.mesh.devices.flat[0].platform if self.mesh is not None else ""
             out = moe.dropless(tokens, experts, weights, params, act, platform).reshape(x.shape)
         return out.astype(dtype), moe.router_stats(experts, probs, valid, kept)
+
+
+def layer_is_moe(cfg: ModelConfig) -> np.ndarray:
+    """Per layer: True where its MLP is a Mixture of Experts (every moe_every-th layer of an MoE model)."""
+    return (np.arange(cfg.num_layers) + 1) % cfg.moe_every == 0 if cfg.moe else np.zeros(cfg.num_layers, bool)
 
 
 class Block(nn.Module):
@@ -283,6 +291,7 @@ class Block(nn.Module):
     cfg: ModelConfig
     kernel: str = "xla"
     mesh: jax.sharding.Mesh | None = None
+    sparse: bool | None = None  # whether the MLP is MoE; None: cfg.moe
 
     @nn.compact
     def __call__(
@@ -294,12 +303,36 @@ class Block(nn.Module):
         h, kv = attn(_norm(cfg, "attn_norm")(x), positions, masks, is_global, kv, index)
         x = x + (_norm(cfg, "attn_post_norm")(h) if cfg.post_norms else h)
         stats: dict[str, Array] = {}
-        if cfg.moe:
+        if cfg.moe if self.sparse is None else self.sparse:
             h, stats = MoE(cfg, self.mesh, name="moe")(_norm(cfg, "mlp_norm")(x), valid)
         else:
             h = MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x))
         x = x + (_norm(cfg, "mlp_post_norm")(h) if cfg.post_norms else h)
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), (kv, stats)
+
+
+class Blocks(nn.Module):
+    """moe_every blocks in a row, the last with an MoE MLP: the scanned unit when dense and MoE layers interleave.
+
+    is_global and the KV cache come in with a leading axis over the group's blocks, and the cache goes out so.
+    """
+
+    cfg: ModelConfig
+    kernel: str = "xla"
+    mesh: jax.sharding.Mesh | None = None
+
+    @nn.compact
+    def __call__(
+        self, x: Array, positions: Array, masks: dict, index: Array | None, valid: Array, is_global: Array,
+        kv: dict | None,
+    ) -> tuple[Array, tuple[dict | None, dict]]:
+        n, caches = self.cfg.moe_every, []
+        for j in range(n):
+            block = Block(self.cfg, self.kernel, self.mesh, sparse=j == n - 1, name=f"block_{j}")
+            kv_j = None if kv is None else jax.tree.map(lambda a, j=j: a[j], kv)
+            x, (kv_j, stats) = block(x, positions, masks, index, valid, is_global[j], kv_j)
+            caches.append(kv_j)
+        return x, (None if kv is None else jax.tree.map(lambda *a: jnp.stack(a), *caches), stats)
 
 
 def _masks(cfg: ModelConfig, positions: Array, segment_ids: Array | None, cache: dict | None) -> tuple[dict, Array | None]:
@@ -362,19 +395,23 @@ class Transformer(nn.Module):
             masks, slot_pos = ({} if segment_ids is None else {"segment_ids": segment_ids}), None
         else:
             masks, slot_pos = _masks(cfg, positions, segment_ids, cache)
-        block = Block
+        group = cfg.moe_every if cfg.moe else 1  # layers per scanned unit
+        unit = Block if group == 1 else Blocks
         if self.remat != "none":
-            block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+            unit = nn.remat(unit, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         layers = nn.scan(
-            block, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0, 0), length=cfg.num_layers,
+            unit, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0, 0), length=cfg.num_layers // group,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+        by_unit = lambda a: a.reshape(-1, group, *a.shape[1:]) if group > 1 else a  # noqa: E731
+        kv = None if cache is None else {"k": by_unit(cache["k"]), "v": by_unit(cache["v"])}
         index = None if cache is None else cache["index"]
         stack = layers(cfg, self.attention, self.mesh, name="layers")
         valid = jnp.ones(tokens.shape, bool) if segment_ids is None else segment_ids > 0
-        x, (kv, stats) = stack(x, positions, masks, index, valid, jnp.asarray(layer_is_global(cfg)), kv)
+        x, (kv, stats) = stack(x, positions, masks, index, valid, by_unit(jnp.asarray(layer_is_global(cfg))), kv)
+        if kv is not None and group > 1:
+            kv = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kv)
         if stats:
             self.sow("intermediates", "moe", stats)
         x = _tokens(_norm(cfg, "final_norm")(x))

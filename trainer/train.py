@@ -23,7 +23,7 @@ from trainer.loss import token_loss
 from trainer.model import Transformer, param_count
 from trainer.optimizer import learning_rate_schedule, make_optimizer
 from trainer.run_log import MetricsLog, StepLog, Validation
-from trainer.sharding import RULES, batch_sharding, logical_shardings, make_mesh, replicated
+from trainer.sharding import BATCH_AXES, RULES, batch_sharding, logical_shardings, make_mesh, replicated
 from trainer.topology import slice_devices
 
 METRICS_FILE = "metrics.jsonl"
@@ -79,7 +79,9 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any, mesh: jax.shar
     return jax.jit(tx.init, out_shardings=_shardings(abstract_opt_state(tx, params, mesh)))(params)
 
 
-def loss_and_grads(model: Transformer, params: Any, batch: Batch, accum_steps: int = 1) -> tuple[dict[str, jax.Array], Any]:
+def loss_and_grads(
+    model: Transformer, params: Any, batch: Batch, accum_steps: int = 1
+) -> tuple[dict[str, jax.Array], Any]:
     """Mean next-token loss over the batch's unmasked targets (and MoE router metrics), and the objective's gradient.
 
     Each microbatch contributes its summed loss and gradient; one division by the batch's token count at the
@@ -126,8 +128,8 @@ def loss_and_grads(model: Transformer, params: Any, batch: Batch, accum_steps: i
     metrics = {"loss": totals["loss"] / count}
     if cfg.moe:
         pairs = jnp.maximum(jnp.sum(totals["expert_pairs"]), 1.0)
-        metrics.update(load_balance_loss=totals["load_balance_loss"] / count, expert_load=totals["expert_pairs"] / pairs,
-                       dropped_fraction=totals["dropped"] / pairs)
+        metrics.update(load_balance_loss=totals["load_balance_loss"] / count,
+                       expert_load=totals["expert_pairs"] / pairs, dropped_fraction=totals["dropped"] / pairs)
     return metrics, jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
 
 
@@ -154,12 +156,12 @@ def make_train_step(
 
 def check_batch(train_cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
     """Refuse a batch size that the mesh's batch axes, the processes and the microbatches cannot split evenly."""
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    shards = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
     accum = train_cfg.grad_accum_steps
     if train_cfg.batch_size % (shards * accum):
         raise UserError(
-            f"train.batch_size ({train_cfg.batch_size}) must be a multiple of data x fsdp x train.grad_accum_steps "
-            f"({shards} x {accum} = {shards * accum})"
+            f"train.batch_size ({train_cfg.batch_size}) must be a multiple of data x fsdp x expert x "
+            f"train.grad_accum_steps ({shards} x {accum} = {shards * accum})"
         )
     if train_cfg.batch_size % jax.process_count():
         raise UserError(f"train.batch_size ({train_cfg.batch_size}) must be a multiple of the {jax.process_count()} processes")
@@ -363,6 +365,7 @@ def _run_summary(path: Path, first_step: int) -> dict[str, float | None]:
     }
     if rows and "expert_load" in rows[-1]:  # MoE: how balanced the router ended, and what capacity dropped
         load = rows[-1]["expert_load"]
-        summary.update(final_load_balance_loss=rows[-1]["load_balance_loss"], final_busiest_expert=max(load) * len(load),
+        summary.update(final_load_balance_loss=rows[-1]["load_balance_loss"],
+                       final_busiest_expert=max(load) * len(load),
                        mean_dropped_fraction=float(np.mean([r["dropped_fraction"] for r in rows])))
     return summary

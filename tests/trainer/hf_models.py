@@ -46,7 +46,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         },
     )),
     # Mixtures of Experts: top-2 of 8 with the window; top-3 of 4 without renormalising (Qwen3-MoE's default)
-    # and top-2 of 8 with it, experts narrower than intermediate_size.
+    # and top-2 of 8 with it, experts narrower than intermediate_size, MoE every second layer (dense between).
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         num_hidden_layers=2, tie_word_embeddings=False, sliding_window=WINDOW, num_local_experts=8,
         num_experts_per_tok=2,
@@ -56,8 +56,8 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )),
     "qwen3_moe_norm_topk": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_hidden_layers=2, tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-        norm_topk_prob=True,
+        num_hidden_layers=4, tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True, decoder_sparse_step=2,
     )),
 }
 

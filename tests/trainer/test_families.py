@@ -140,8 +140,8 @@ def test_ingest_reads_experts_fused_as_transformers_holds_them(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"decoder_sparse_step": 2}, "every layer is MoE"),
-    ({"mlp_only_layers": [0]}, "every layer is MoE"),
+    ({"decoder_sparse_step": 3}, r"model.moe_every \(3\) must divide model.num_layers \(2\)"),
+    ({"mlp_only_layers": [0]}, "no others made dense"),
     ({"shared_expert_intermediate_size": 64}, "no shared expert"),
     ({"use_sliding_window": True, "sliding_window": 32}, "full attention only"),
     ({"num_experts": 0}, "expected a Mixture of Experts"),

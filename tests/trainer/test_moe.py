@@ -154,12 +154,18 @@ def test_flops_count_active_parameters() -> None:
     dense = load_config("tiny", ["model.mlp_dim=64"]).model  # k x expert width: the same active MLP
     router = 3 * 2 * (2 * 8 * 64 * 64 * 4)  # forward + backward, 2 layers, the [64, 4] router on 8 x 64 tokens
     assert train_flops_per_step(cfg, 8, 64) == pytest.approx(train_flops_per_step(dense, 8, 64) + router)
+    # MoE every second layer: one layer as the MoE model's, the other as the dense tiny model's.
+    half = cfg.model_copy(update={"moe_every": 2})
+    tiny = load_config("tiny").model
+    want = (train_flops_per_step(cfg, 8, 64) + train_flops_per_step(tiny, 8, 64)) / 2
+    assert train_flops_per_step(half, 8, 64) == pytest.approx(want)
 
 
 def test_moe_training_in_bfloat16_with_remat_and_accumulation_logs_router_metrics(tmp_path: Path) -> None:
     data = random_dataset(tmp_path / "data", rows=32, seq_len=32, vocab=512)
     cfg = load_config("tiny", MOE + [
-        "model.dtype=bfloat16", "train.remat=full", "train.grad_accum_steps=2", "train.steps=4", "train.batch_size=8",
+        "model.moe_every=2",  # a dense layer, then an MoE one: the scanned unit is the pair
+        "model.dtype=bfloat16", "train.remat=full", "train.grad_accum_steps=2", "train.steps=4", "train.batch_size=16",
         "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0", "train.mesh={expert: 4, fsdp: 2}",
     ])
     lines: list[str] = []
