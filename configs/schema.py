@@ -115,6 +115,13 @@ class DataConfig(_Section):
         return self
 
 
+class ProfileConfig(_Section):
+    """Which steps a JAX profiler trace records: `steps` steps from step `start` (steps 0 = off)."""
+
+    start: PosInt
+    steps: NonNegInt
+
+
 class TrainSettings(_Section):
     """How a training is checkpointed and watched: these do not change its result, so they do not version it."""
 
@@ -124,6 +131,11 @@ class TrainSettings(_Section):
     tensorboard: bool
     eval_every: NonNegInt
     eval_batches: PosInt
+    profile: ProfileConfig
+    hlo_dump: bool
+    slow_step_factor: NonNegFloat
+    hang_dump_seconds: NonNegFloat
+    hang_exit_seconds: NonNegFloat
 
 
 class TrainConfig(TrainSettings):
@@ -143,6 +155,7 @@ class TrainConfig(TrainSettings):
     dcn_mesh: dict[Literal["data", "fsdp", "expert", "tensor"], int]
     remat: Literal["none", "minimal", "full"]
     grad_accum_steps: PosInt
+    quantization: Literal["none", "int8", "fp8"]
     continue_from: Literal["", "latest_export"]
 
     @model_validator(mode="after")

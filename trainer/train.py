@@ -21,6 +21,7 @@ from trainer.accelerators import memory_of
 from trainer.data import format_of, sequence_length, shard_paths, train_iterator
 from trainer.loss import token_loss
 from trainer.model import Transformer, param_count
+from trainer.quantization import check_quantization, quantize
 from trainer.optimizer import learning_rate_schedule, make_optimizer
 from trainer.run_log import MetricsLog, StepLog, Validation
 from trainer.sharding import BATCH_AXES, RULES, batch_sharding, logical_shardings, make_mesh, replicated
@@ -35,10 +36,14 @@ def make_model(
     model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.Mesh, seq_len: int,
     log: Callable[[str], None] = print,
 ) -> Transformer:
-    """The model as trained: the configured rematerialisation policy, and the attention kernel for the mesh's devices."""
+    """The model as trained: the configured rematerialisation policy and quantization, and the attention kernel for
+    the mesh's devices."""
     kernel, why = attention.choose(model_cfg.attention, model_cfg, mesh.devices.flat[0], seq_len, mesh.shape["tensor"])
     log(f"attention: {kernel}" + (f" ({model_cfg.attention} falls back: {why})" if why else ""))
-    return Transformer(model_cfg, remat=train_cfg.remat, attention=kernel, mesh=mesh)
+    warning = check_quantization(train_cfg.quantization, mesh.devices.flat[0])
+    if warning:
+        log(f"warning: {warning}")
+    return quantize(Transformer(model_cfg, remat=train_cfg.remat, attention=kernel, mesh=mesh), train_cfg.quantization)
 
 
 def _for_init(model: Transformer) -> Transformer:
