@@ -37,25 +37,32 @@ def ingest(config: str, hf_checkpoint: str, params: Output[Model]):
     kfp_step(lambda cfg: steps.plan_ingest(cfg, hf_checkpoint), config, params)
 
 
-def train(config: str, dataset: Input[Dataset], checkpoints: Output[Model], init_params: Optional[Input[Model]] = None):
-    """Train from random init, ingested params or the latest export; full-state checkpoints out."""
-    from components.kfp_support import kfp_step, train_init
+def train(
+    config: str, dataset: Input[Dataset], checkpoints: Output[Model], metrics: Output[Metrics],
+    init_params: Optional[Input[Model]] = None,
+):
+    """Train from random init, ingested params or the latest export; full-state checkpoints out, with the final loss,
+    throughput, MFU and goodput as metrics."""
+    from components.kfp_support import kfp_step, train_init, train_metrics
     from components import steps
 
     def plan(cfg):
         init = train_init(cfg, dataset.path, init_params.path if init_params is not None else None)
         return steps.plan_train(cfg, dataset.path, init)
 
-    kfp_step(plan, config, checkpoints)
+    for key, value in train_metrics(kfp_step(plan, config, checkpoints)["stats"]).items():
+        metrics.log_metric(key, value)
 
 
 def train_job(
     config: str, project: str, location: str, service_account: str, network: str,
-    dataset: Input[Dataset], checkpoints: Output[Model], init_params: Optional[Input[Model]] = None,
+    dataset: Input[Dataset], checkpoints: Output[Model], metrics: Output[Metrics],
+    init_params: Optional[Input[Model]] = None,
 ):
-    """Train on several hosts (GPU machines or a TPU slice) as a Vertex AI custom job, and wait for it."""
+    """Train on several hosts (GPU machines or a TPU slice) as a Vertex AI custom job, and wait for it; metrics as
+    `train`'s."""
     from components import custom_job
-    from components.kfp_support import kfp_step, train_init
+    from components.kfp_support import kfp_step, train_init, train_metrics
     from components import steps
 
     init = None
@@ -71,7 +78,8 @@ def train_job(
             service_account=service_account, network=network,
         )
 
-    kfp_step(plan, config, checkpoints, run)
+    for key, value in train_metrics(kfp_step(plan, config, checkpoints, run)["stats"]).items():
+        metrics.log_metric(key, value)
 
 
 def export(config: str, checkpoints: Input[Model], dataset: Input[Dataset], model: Output[Model]):

@@ -11,6 +11,7 @@ from components import steps
 from contract.manifest import GCS_MOUNT
 
 ERROR_PREFIX = "maxpipe error: "
+TRAIN_METRICS = ("final_loss", "tokens_per_s", "mfu")  # the train step's KFP metrics besides the goodput totals
 
 
 def kfp_step(
@@ -55,3 +56,9 @@ def artifact_metadata(manifest: dict[str, Any]) -> dict[str, Any]:
     scalars = {k: v for k, v in manifest["stats"].items() if isinstance(v, (int, float, str, bool))}
     return {**scalars, "version": manifest["version"], "kind": manifest["kind"], "step": manifest["step"],
             "code_version": manifest["code_version"], "config": manifest["config"]}
+
+
+def train_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """The train step's KFP metrics from its manifest's stats: final loss, throughput, MFU and the goodput totals."""
+    return {k: v for k, v in stats.items() if (k in TRAIN_METRICS or k.startswith("goodput"))
+            and isinstance(v, (int, float)) and not isinstance(v, bool)}

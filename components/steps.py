@@ -85,14 +85,18 @@ def plan_ingest(cfg: Config, hf_dir: str | Path, log: Log = print) -> Step:
 
 
 def plan_train(cfg: Config, dataset_dir: str | Path, init_dir: str | Path | None = None, log: Log = print) -> Step:
-    """Train on the dataset, from random init or ingested params (a Model artifact of full checkpoints)."""
+    """Train on the dataset, from random init or ingested params (a Model artifact of full checkpoints).
+
+    Its goodput counts from this process's start: the CLI's, a KFP task's or a custom job host's.
+    """
+    from trainer.goodput import process_start
     from trainer.train import train
 
     train_cfg = versions.only(cfg.train, TRAIN_FIELDS)
     settings = TrainSettings(**cfg.train.model_dump(include=set(TrainSettings.model_fields)))
     inputs = [reference(dataset_dir)] + ([reference(init_dir)] if init_dir else [])
     work = functools.partial(train, model_cfg=cfg.model, train_cfg=train_cfg, settings=settings,
-                             dataset_dir=dataset_dir, init_params_dir=init_dir, log=log)
+                             dataset_dir=dataset_dir, init_params_dir=init_dir, log=log, started=process_start())
     return Step("train", "checkpoints", {"model": cfg.model, "train": train_cfg}, inputs, work, out_arg="run_dir",
                 settings={"train": settings}, keep_partial=True, lease_timeout=cfg.pipeline.lease_timeout)
 

@@ -17,6 +17,7 @@ from configs import Config, UserError
 from contract.manifest import require_manifest
 from pipelines.dag import build_pipeline
 from pipelines.lineage_store import LineageStore, store_path
+from trainer.goodput import line_of
 
 Log = Callable[[str], None]
 # Chatter of Beam's worker processes (apitools is only needed for Dataflow), hidden unless --debug.
@@ -107,7 +108,7 @@ def preflight(cfg: Config) -> None:
 
 
 def summary(result: dict[str, Any]) -> str:
-    """A short report: where each artifact is, its version, losses, perplexity and a sample."""
+    """A short report: where each artifact is, its version, losses, the training's goodput, perplexity and a sample."""
     m, paths = result["manifests"], result["paths"]
     train, ev = m["checkpoints"]["stats"], m["report"]["stats"]
     tokens = m["dataset"]["stats"]["tokens"]
@@ -120,6 +121,7 @@ def summary(result: dict[str, Any]) -> str:
         f"  data        {tokens['train']:,} train tokens, {tokens['val']:,} validation tokens",
         f"  train loss  {train['final_loss']:.4f} (mean of last 10 steps {train['mean_loss_last_10']:.4f}) "
         f"after {train['steps']} steps",
+        *([f"  train time  {line_of(train)}"] if "goodput" in train else []),
         f"  val loss    {ev['val_loss']:.4f}   perplexity {ev['val_perplexity']:.2f}",
         f"  sample      {ev['prompt']!r} -> {ev['sample']!r}",
         "",

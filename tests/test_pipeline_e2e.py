@@ -46,7 +46,7 @@ def test_every_artifact_is_complete_with_a_manifest(pipeline_run):
     assert m["model"]["inputs"][0]["version"] == m["checkpoints"]["version"]
     assert m["checkpoints"]["inputs"][0]["version"] == m["dataset"]["version"]
     text = summary(result)
-    assert "val loss" in text and m["model"]["version"] in text
+    assert "val loss" in text and m["model"]["version"] in text and "train time  goodput " in text
 
 
 def test_eval_report_draws_the_training_curve(pipeline_run):
@@ -54,6 +54,7 @@ def test_eval_report_draws_the_training_curve(pipeline_run):
     report = Path(result["paths"]["report"])
     page = (report / "report.html").read_text()
     assert 'data-name="train"' in page and 'data-name="validation"' in page and "Evaluation report" in page
+    assert "<h2>Goodput</h2>" in page  # from the training's goodput.json
     rows = [json.loads(line) for line in (Path(result["paths"]["checkpoints"]) / "metrics.jsonl").open()]
     assert [r["step"] for r in rows if "val_loss" in r] == [20, 40]
     assert "loss.svg" in (report / "report.md").read_text()

@@ -1,4 +1,5 @@
-"""The eval step's report: loss curves (an SVG drawn here, no plotting library), the eval table, generated samples."""
+"""The eval step's report: loss curves (an SVG drawn here, no plotting library), the eval table, the training's
+goodput, generated samples."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+from trainer.goodput import GOODPUT_FILE, parts, read_totals
 
 Series = dict[str, list[tuple[float, float]]]
 _COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
@@ -92,10 +95,23 @@ def _samples(results: dict[str, Any]) -> list[tuple[str, str]]:
     return samples
 
 
+def _goodput(metrics_path: str | Path | None) -> tuple[str, list[tuple[str, str, str]]]:
+    """A sentence and (part, seconds, share) rows from the goodput.json beside the training metrics; none if absent."""
+    totals = read_totals(Path(metrics_path).with_name(GOODPUT_FILE)) if metrics_path is not None else None
+    if totals is None:
+        return "", []
+    total = totals["goodput_total_seconds"]
+    sentence = (f"{totals['goodput']:.1%} of {total:.1f} s of training was productive (goodput), over "
+                f"{totals['goodput_attempts']} attempt(s); {totals['goodput_lost_steps']} step(s) were redone after "
+                "restarts.")
+    return sentence, [(label, f"{s:.1f}", f"{s / total:.1%}" if total > 0 else "") for label, s in parts(totals)]
+
+
 def write_report(out_dir: str | Path, results: dict[str, Any], metrics_path: str | Path | None = None) -> list[Path]:
     """Write report.md (with loss.svg beside it) and report.html (SVG inline) into out_dir; returns their paths.
 
-    `results` is what `trainer.evaluate.evaluate` returns; `metrics_path` the training metrics.jsonl, if any.
+    `results` is what `trainer.evaluate.evaluate` returns; `metrics_path` the training metrics.jsonl, if any; the
+    goodput.json beside it adds a goodput section.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +120,7 @@ def write_report(out_dir: str | Path, results: dict[str, Any], metrics_path: str
         curves["validation"] = [(curves["train"][-1][0], float(results["val_loss"]))]  # the final eval, as a point
     svg = loss_svg(curves)
     table, samples = _table(results), _samples(results)
+    goodput, goodput_rows = _goodput(metrics_path)
     written = []
 
     md = ["# Evaluation report", "", "## Loss", ""]
@@ -115,18 +132,27 @@ def write_report(out_dir: str | Path, results: dict[str, Any], metrics_path: str
         md += ["No training metrics were available.", ""]
     md += ["## Results", "", "| metric | value |", "|---|---|"]
     md += [f"| {name} | {value} |" for name, value in table]
+    if goodput_rows:
+        md += ["", "## Goodput", "", goodput, "", "| time | seconds | share |", "|---|---:|---:|"]
+        md += [f"| {part} | {seconds} | {share} |" for part, seconds, share in goodput_rows]
     md += ["", "## Samples", ""]
     for prompt, sample in samples:
         md += ["```", prompt + sample, "```", ""]
     (out / "report.md").write_text("\n".join(md) + "\n")
 
     esc = html.escape
+    goodput_html = [
+        "<h2>Goodput</h2>", f"<p>{esc(goodput)}</p>", "<table><tr><th>time</th><th>seconds</th><th>share</th></tr>",
+        *[f"<tr><td>{esc(part)}</td><td>{seconds}</td><td>{share}</td></tr>" for part, seconds, share in goodput_rows],
+        "</table>",
+    ] if goodput_rows else []
     page = ["<!doctype html>", '<html><head><meta charset="utf-8"><title>Evaluation report</title>',
             ("<style>body{font-family:sans-serif;max-width:760px;margin:2em auto}td,th{padding:2px 10px;text-align:left}"
              "pre{background:#f6f6f6;padding:8px;white-space:pre-wrap}</style></head><body>"),
             "<h1>Evaluation report</h1>", "<h2>Loss</h2>", svg or "<p>No training metrics were available.</p>",
             "<h2>Results</h2>", "<table><tr><th>metric</th><th>value</th></tr>",
-            *[f"<tr><td>{esc(n)}</td><td>{esc(v)}</td></tr>" for n, v in table], "</table>", "<h2>Samples</h2>",
+            *[f"<tr><td>{esc(n)}</td><td>{esc(v)}</td></tr>" for n, v in table], "</table>", *goodput_html,
+            "<h2>Samples</h2>",
             *[f"<pre><b>{esc(p)}</b>{esc(s)}</pre>" for p, s in samples], "</body></html>"]
     (out / "report.html").write_text("\n".join(page) + "\n")
     return [out / "report.md", out / "report.html", *written]

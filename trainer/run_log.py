@@ -1,5 +1,5 @@
 """A training's record as it runs: each step's metrics with its throughput, one step late, as JSON lines,
-TensorBoard events and progress lines; and periodic validation."""
+TensorBoard events and progress lines; profiler traces; and periodic validation."""
 
 from __future__ import annotations
 
@@ -102,13 +102,15 @@ def _step_of(line: str) -> float:
 class StepLog:
     """Records each step's metrics with its time, tokens/s, TFLOP/s per device and MFU.
 
-    A step's metrics are read when the next step has been dispatched, so logging never stalls the device.
+    A step's metrics are read when the next step has been dispatched, so logging never stalls the device;
+    `on_step(step, seconds)` then hears of each step done.
     """
 
     def __init__(
-        self, metrics_log: MetricsLog, schedule: optax.Schedule, flops: float, peak: float, devices: int, tokens: int
+        self, metrics_log: MetricsLog, schedule: optax.Schedule, flops: float, peak: float, devices: int, tokens: int,
+        on_step: Callable[[int, float], None] | None = None,
     ):
-        self.metrics_log, self.schedule = metrics_log, schedule
+        self.metrics_log, self.schedule, self.on_step = metrics_log, schedule, on_step
         self.flops, self.peak, self.devices, self.tokens = flops, peak, devices, tokens
         self.pending: tuple[int, dict[str, Any]] | None = None
         self.restart_clock()
@@ -140,6 +142,8 @@ class StepLog:
             tflops_per_device=tflops, mfu=tflops * 1e12 / self.peak,
         )
         self.metrics_log.write(step, values)
+        if self.on_step is not None:
+            self.on_step(step, seconds)
 
     def restart_clock(self) -> None:
         """Time the next step from now."""
@@ -148,6 +152,38 @@ class StepLog:
     def close(self) -> None:
         self.flush()
         self.metrics_log.close()
+
+
+class Profile:
+    """A JAX profiler trace of `steps` steps from step `first` into `log_dir` (TensorBoard's profile plugin reads it
+    from log_dir/plugins/profile/RUN/HOST.xplane.pb; every host writes its own); steps 0 = off."""
+
+    def __init__(self, first: int, steps: int, log_dir: str | Path, resume_step: int, log: Callable[[str], None]):
+        self.first, self.last, self.log_dir, self.log = first, first + steps - 1 if steps else -1, Path(log_dir), log
+        self.active = False
+        if steps and resume_step >= first:
+            log(f"no profile: train.profile starts at step {first}, and this run resumes after step {resume_step}")
+
+    def start(self, step: int) -> None:
+        """Start tracing if `step`, about to be dispatched, is the first profiled one."""
+        if step == self.first and self.last >= step:
+            jax.profiler.start_trace(str(self.log_dir))
+            self.active = True
+
+    def stop(self, out: Any = None) -> None:
+        """Stop tracing once `out`, the last profiled step's result, is computed."""
+        if self.active:
+            jax.block_until_ready(out)
+            jax.profiler.stop_trace()
+            self.active = False
+            self.log(f"profiled steps {self.first}-{self.last} into {self.log_dir}: open it with TensorBoard's profile "
+                     f"plugin or XProf")
+
+    def __enter__(self) -> "Profile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
 
 
 class Validation:

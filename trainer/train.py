@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,13 +20,16 @@ from configs import ModelConfig, TrainConfig, TrainSettings, UserError
 from trainer import attention, checkpoint, metrics, moe, param_reader
 from trainer.accelerators import memory_of
 from trainer.data import format_of, sequence_length, shard_paths, train_iterator
+from trainer.goodput import GOODPUT_FILE, Goodput
+from trainer.hlo import HLO_DIR, describe_memory, dump, memory_report
 from trainer.loss import token_loss
 from trainer.model import Transformer, param_count
-from trainer.quantization import check_quantization, quantize
 from trainer.optimizer import learning_rate_schedule, make_optimizer
-from trainer.run_log import MetricsLog, StepLog, Validation
+from trainer.quantization import check_quantization, quantize
+from trainer.run_log import MetricsLog, Profile, StepLog, Validation
 from trainer.sharding import BATCH_AXES, RULES, batch_sharding, logical_shardings, make_mesh, replicated
 from trainer.topology import slice_devices
+from trainer.watchdog import Watchdog
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -230,25 +234,9 @@ def compile_only(
                       compile_seconds=time.perf_counter() - start)
         log(f"{target}, mesh {dict(mesh.shape)}: does not fit, needs {needed[1]} GiB of {needed[2]} GiB per device")
         return report
-    memory = compiled.memory_analysis()
-    sizes = {
-        f"{name}_bytes": int(getattr(memory, f"{name}_size_in_bytes", 0) or 0)
-        for name in ("argument", "output", "temp", "alias", "generated_code")
-    }
-    # Donated inputs alias outputs: count those bytes once.
-    peak = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
-    report.update(sizes, peak_bytes_per_device=peak, compile_seconds=time.perf_counter() - start,
-                  fits=None if capacity is None else peak <= capacity)
-    verdict = "" if capacity is None else (
-        f": fits, {peak / capacity:.0%} of {capacity / 2**30:.2f} GiB ({capacity_source})" if peak <= capacity else
-        f": does not fit, needs {peak / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB ({capacity_source})"
-    )
-    log(
-        f"compiled the train step for {target}, mesh {dict(mesh.shape)}, in {report['compile_seconds']:.1f}s: about "
-        f"{peak / 2**30:.3f} GiB per device (arguments {sizes['argument_bytes'] / 2**30:.3f}, outputs "
-        f"{(sizes['output_bytes'] - sizes['alias_bytes']) / 2**30:.3f} beyond the donated arguments, temporaries "
-        f"{sizes['temp_bytes'] / 2**30:.3f}){verdict}"
-    )
+    report.update(memory_report(compiled, capacity), compile_seconds=time.perf_counter() - start)
+    log(f"compiled the train step for {target}, mesh {dict(mesh.shape)}, in {report['compile_seconds']:.1f}s: "
+        + describe_memory(report, capacity, capacity_source))
     return report
 
 
@@ -260,15 +248,19 @@ def train(
     run_dir: str | Path,
     init_params_dir: str | Path | None = None,
     log: Callable[[str], None] = print,
+    started: float | None = None,
 ) -> dict[str, Any]:
     """Train to `train_cfg.steps`, resuming from the newest checkpoint in `run_dir`; returns summary stats.
 
-    `train_cfg` is read for the fields that change the result only; checkpointing, logging and validation
-    follow `settings`. In a multi-process run (see trainer.distributed) every process calls this; each reads
-    its share of the data and only process 0 writes metrics.
+    `train_cfg` is read for the fields that change the result only; checkpointing, logging, validation,
+    profiling and hang detection follow `settings`. In a multi-process run (see trainer.distributed) every
+    process calls this; each reads its share of the data and only process 0 writes metrics. The run's wall
+    time since `started` (time.time() of the process start; None = now) is accounted in goodput.json.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    primary = jax.process_index() == 0
+    account = Goodput(run_dir / GOODPUT_FILE if primary else None, started, log=log)
     mesh = make_mesh(train_cfg.mesh, dcn=train_cfg.dcn_mesh)
     check_batch(train_cfg, mesh)
     paths = shard_paths(dataset_dir, "train")
@@ -283,14 +275,15 @@ def train(
             f"{model_cfg.param_dtype}; for low-precision compute set model.dtype=bfloat16 and keep param_dtype float32")
     param_shapes = abstract_params(model, seq_len, mesh)
     opt_shapes = abstract_opt_state(tx, param_shapes, mesh)
-    primary = jax.process_index() == 0
     data = train_iterator(
         paths, train_cfg.batch_size // jax.process_count(), train_cfg.seed, jax.process_index(), jax.process_count(), fmt
     )
     manager = checkpoint.train_checkpoints(run_dir, settings.keep_checkpoints)
     start = manager.latest_step() or 0
+    account.resumed(start, run_dir / METRICS_FILE)  # steps an earlier attempt did past `start`: before MetricsLog drops them
     if start:  # restored straight into place: no initial state is built first (it would double the memory)
-        params, opt_state = checkpoint.restore_train_state(manager, start, param_shapes, opt_shapes, data)
+        with account.phase("restore"):
+            params, opt_state = checkpoint.restore_train_state(manager, start, param_shapes, opt_shapes, data)
         log(f"resumed from step {start}")
     else:
         if init_params_dir:
@@ -307,31 +300,61 @@ def train(
     flops = metrics.train_flops_per_step(model_cfg, train_cfg.batch_size, seq_len)
     peak, peak_source = metrics.peak_flops_per_device()
     log(f"{flops / 1e9:,.1f} GFLOP per step; peak {peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
-    step_fn = make_train_step(model, tx, train_cfg.grad_accum_steps, (param_shapes, opt_shapes))
+    sharding = batch_sharding(mesh)
+    next_batch = lambda: _global_batch(next(data), sharding, train_cfg.batch_size)  # noqa: E731
+    with mesh, nn.logical_axis_rules(RULES):
+        with account.phase("data_wait"):
+            batch = next_batch()
+        with account.phase("compile"):
+            step_fn = _compile_step(
+                make_train_step(model, tx, train_cfg.grad_accum_steps, (param_shapes, opt_shapes)), params, opt_state,
+                batch, run_dir / HLO_DIR if settings.hlo_dump and primary else None, log,
+            )
+    host = f" on host {jax.process_index()} ({socket.gethostname()})" if jax.process_count() > 1 else ""
+    watchdog = Watchdog(settings.slow_step_factor, settings.hang_dump_seconds, settings.hang_exit_seconds, log, host,
+                        start_step=start)
     metrics_log = MetricsLog(
         run_dir / METRICS_FILE if primary else None, train_cfg.steps, settings.log_every, log, resume_step=start,
         tensorboard_dir=run_dir / TENSORBOARD_DIR if primary and settings.tensorboard else None,
     )
     step_log = StepLog(
-        metrics_log, learning_rate_schedule(train_cfg), flops, peak, mesh.size, train_cfg.batch_size * seq_len
+        metrics_log, learning_rate_schedule(train_cfg), flops, peak, mesh.size, train_cfg.batch_size * seq_len,
+        on_step=watchdog.step_done,
     )
     validation = Validation(dataset_dir, model_cfg, settings, train_cfg.batch_size, mesh, log)
-    sharding = batch_sharding(mesh)
-    with mesh, nn.logical_axis_rules(RULES):
+    profile = Profile(settings.profile.start, settings.profile.steps, run_dir / TENSORBOARD_DIR, start, log)
+    account.begin_training()
+    with mesh, nn.logical_axis_rules(RULES), watchdog, profile:
         for step in range(start + 1, train_cfg.steps + 1):
-            batch = _global_batch(next(data), sharding, train_cfg.batch_size)
+            if step > start + 1:
+                with account.phase("data_wait"):
+                    batch = next_batch()
+            profile.start(step)
             params, opt_state, out = step_fn(params, opt_state, batch)
             step_log.add(step, out)
+            if step == profile.last:
+                step_log.flush()  # the step's own time, then the trace written outside any step's
+                with watchdog.other("profile"):
+                    profile.stop(out)
+                step_log.restart_clock()
             if validation.due(step):
-                step_log.validate(validation.loss, params)
+                with account.phase("validation"), watchdog.other("validation"):
+                    step_log.validate(validation.loss, params)
             if step % settings.checkpoint_every == 0 or step == train_cfg.steps:
                 # Saving waits for this step anyway; log it first so a checkpoint never precedes its step's row.
                 step_log.flush()
-                checkpoint.save_train_state(manager, step, params, opt_state, data)  # written in the background
+                with account.phase("checkpoint"), watchdog.other("checkpoint"):
+                    checkpoint.save_train_state(manager, step, params, opt_state, data)  # written in the background
                 step_log.restart_clock()  # the next step's time leaves out starting the save
-    manager.wait_until_finished()
-    manager.close()
-    step_log.close()
+                account.save(step)
+            elif step % settings.log_every == 0:
+                account.save(step - 1)  # the newest step whose metrics row is written
+        with account.phase("checkpoint"), watchdog.other("checkpoint"):
+            manager.wait_until_finished()
+        manager.close()
+        step_log.close()
+    goodput = account.finish(train_cfg.steps)
+    log(account.line())
     summary = _run_summary(run_dir / METRICS_FILE, first_step=start + 2) if primary else {}
     return {
         "steps": train_cfg.steps,
@@ -341,9 +364,25 @@ def train(
         "packing": fmt.packing,
         "tokens_per_step": train_cfg.batch_size * seq_len,
         **summary,
+        **goodput,
         "peak_flops_per_device": peak,
         "peak_source": peak_source,
     }
+
+
+def _compile_step(
+    step: Callable, params: Any, opt_state: Any, batch: Batch, hlo_dir: Path | None, log: Callable[[str], None]
+) -> jax.stages.Compiled:
+    """The train step compiled ahead of time for these arguments: its memory logged, its HLO written to `hlo_dir`."""
+    start = time.perf_counter()
+    lowered = step.lower(params, opt_state, batch)
+    compiled = lowered.compile()
+    capacity, capacity_source = memory_of(jax.tree.leaves(params)[0].sharding.mesh.devices.flat[0])
+    report = memory_report(compiled, capacity)
+    log(f"compiled the train step in {time.perf_counter() - start:.1f}s: " + describe_memory(report, capacity, capacity_source))
+    if hlo_dir is not None:
+        log(f"wrote the train step's HLO and memory report to {dump(compiled, lowered, hlo_dir, report)}")
+    return compiled
 
 
 def _global_batch(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding, batch_size: int) -> Batch:
