@@ -4,11 +4,12 @@ off), and with a profile of a few steps, against train() with every watch off, i
     python benchmarks/operate_overhead.py [--steps N] [--profile-steps K]
 
 Model: the demo preset's (5.2 M parameters, seq 256, batch 16) on a random-token dataset written first.
-Three trainings of N steps each, same data, same compiled step: `off` (slow_step_factor, hang_dump_seconds
-0: no watchdog thread; the anchor), `on` (the defaults: watchdog thread polling, goodput accounting, profile
-off) and `profiled` (the defaults plus train.profile of K steps from step N/2). Each figure is the median
-step time from the run's metrics.jsonl, steps 3+ (the first step after compile is left out); `profiled`
-also gives its profiled steps' median against its own other steps. Record the output in benchmarks/RESULTS.md.
+Trainings of N steps each on the same data: `off` (slow_step_factor and hang_dump_seconds 0: no watchdog
+thread; the anchor, run first and last), `on` (the defaults: the watchdog thread polling, goodput accounting,
+profile off) and `profiled` (the defaults plus train.profile of K steps from step N/2). Each figure is the
+median step time from the run's metrics.jsonl, steps 3+ (the first step after compile left out; for `profiled`
+its profiled steps too, whose own median is set against its other steps); ratios are against the mean of the
+two `off` runs. Record the output in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -55,27 +56,30 @@ def main() -> None:
     demo = load_config("demo", common)
     data = write_dataset(root / "data", 512, demo.data.seq_len, demo.model.vocab_size)
     first = args.steps // 2
-    variants = {
-        "off": ["train.slow_step_factor=0", "train.hang_dump_seconds=0"],
-        "on": [],
-        "profiled": [f"train.profile={{start: {first}, steps: {args.profile_steps}}}"],
-    }
-    medians = {}
-    for name, overrides in variants.items():
+    variants = [
+        ("off", ["train.slow_step_factor=0", "train.hang_dump_seconds=0"]),
+        ("on", []),
+        ("profiled", [f"train.profile={{start: {first}, steps: {args.profile_steps}}}"]),
+        ("off", ["train.slow_step_factor=0", "train.hang_dump_seconds=0"]),
+    ]
+    medians: dict[str, list[float]] = {}
+    for i, (name, overrides) in enumerate(variants):
         cfg = load_config("demo", common + overrides)
         settings = TrainSettings(**cfg.train.model_dump(include=set(TrainSettings.model_fields)))
         versioned = TrainConfig(**cfg.train.model_dump())
-        summary = train(cfg.model, versioned, settings, data, root / name, log=lambda _: None)
-        times = step_times(root / name)
+        summary = train(cfg.model, versioned, settings, data, root / str(i), log=lambda _: None)
+        times = step_times(root / str(i))
         profiled = range(first, first + args.profile_steps) if name == "profiled" else range(0)
-        medians[name] = statistics.median(t for s, t in times.items() if s not in profiled)
-        line = (f"{name:<9} median step {medians[name]:.4f} s ({medians[name] / medians['off']:.3f}x off)  "
-                f"goodput {summary['goodput']:.1%}")
+        median = statistics.median(t for s, t in times.items() if s not in profiled)
+        medians.setdefault(name, []).append(median)
+        line = f"{name:<9} median step {median:.4f} s  goodput {summary['goodput']:.1%}"
         if profiled:
             inside = statistics.median(times[s] for s in profiled)
-            line += f"  profiled steps {inside:.4f} s ({inside / medians[name]:.3f}x its other steps)"
+            line += f"  profiled steps {inside:.4f} s ({inside / median:.3f}x its other steps)"
         print(line, flush=True)
-
+    anchor = statistics.mean(medians["off"])
+    for name in ("on", "profiled"):
+        print(f"{name} / off (mean of the runs before and after): {medians[name][0] / anchor:.3f}", flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,16 +1,17 @@
 """Train-step throughput and MFU of Llama-shaped models; anchors: the device's peak, and a matmul measured in the same run.
 
     python benchmarks/train_throughput.py [--shape cpu60m|1b|8b4] [--seq S] [--batch B] [--steps N]
-        [--variants remat:dtype[:attention],...]
+        [--variants remat:dtype[:attention[:quantization]],...]
 
 Shapes: `cpu60m` (default, sized for a 2-core CPU): emb 512, 8 layers, 8 heads (8 kv heads) of 64, SwiGLU
 mlp 1536, vocab 32000, seq 512, batch 8. `1b`: Llama 3.2 1B (emb 2048, 16 layers, 32 heads, 8 kv heads of 64,
 mlp 8192, vocab 128256, tied embeddings), seq 4096, batch 4 per device. `8b4`: Llama 3 8B's layer (emb 4096,
 32 heads, 8 kv heads of 128, mlp 14336, vocab 128256) with 4 layers, seq 4096, batch 2 per device.
 Float32 master weights and AdamW; `dtype` is the compute dtype; `attention` is model.attention (auto when
-left out; the kernel it resolves to is printed). Each variant is compiled, run once to warm up, then timed
-over N steps of synthetic batches on one device. FLOPs are counted as MaxText does (trainer/metrics.py:
-matmuls only, recomputation not counted).
+left out; the kernel it resolves to is printed); `quantization` is train.quantization (none | int8 | fp8; none
+when left out: the layers' matmuls in 8 bits through Qwix, their FLOPs counted as float ones). Each variant is
+compiled, run once to warm up, then timed over N steps of synthetic batches on one device. FLOPs are counted as
+MaxText does (trainer/metrics.py: matmuls only, recomputation not counted).
 
 Anchors: on a known accelerator, its dense bf16 peak from trainer/accelerators.py (MFU as MaxText reports
 it) and a bf16 8192^2 matmul (median of 8) measured just before the variant; on CPU, float32 2048^2 matmuls measured around
@@ -56,12 +57,13 @@ def matmul_anchor(device: jax.Device, clock=time.perf_counter) -> float:
 
 
 def run_variant(
-    overrides: list[str], seq: int, batch: int, remat: str, dtype: str, attention: str, steps: int
+    overrides: list[str], seq: int, batch: int, remat: str, dtype: str, attention: str, steps: int,
+    quantization: str = "none",
 ) -> dict:
     """Fastest and median step time, tokens/s, TFLOP/s and MFU of one variant of the model `overrides` give."""
     cfg = load_config("demo", overrides + [
-        f"model.max_seq_len={seq}", f"model.dtype={dtype}", f"model.attention={attention}", f"train.remat={remat}",
-        f"train.batch_size={batch}", "train.mesh={data: 1}",
+        f"model.max_seq_len={seq}", f"data.seq_len={seq}", f"model.dtype={dtype}", f"model.attention={attention}",
+        f"train.remat={remat}", f"train.batch_size={batch}", "train.mesh={data: 1}", f"train.quantization={quantization}",
     ])
     device = jax.devices()[0]
     mesh = make_mesh({"data": 1}, [device])
@@ -109,7 +111,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="sequences per step (default: the shape's)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--variants", default="none:float32,minimal:float32,full:float32,none:bfloat16",
-                        help="remat:dtype[:attention], comma-separated")
+                        help="remat:dtype[:attention[:quantization]], comma-separated")
     args = parser.parse_args()
     _, seq, batch = SHAPES[args.shape]
     seq, batch = args.seq or seq, args.batch or batch
@@ -119,10 +121,11 @@ def main() -> None:
     print(f"device: {device.device_kind} (jax {jax.__version__}); shape {args.shape}, seq {seq}, batch {batch}; "
           f"anchors: {peak}, {'float32 2048^2' if device.platform == 'cpu' else 'bf16 8192^2'} matmul", flush=True)
     for variant in args.variants.split(","):
-        remat, dtype, *attention = variant.split(":")
-        r = run_variant(SHAPES[args.shape][0], seq, batch, remat, dtype, attention[0] if attention else "auto",
-                        args.steps)
-        line = (f"remat={remat:<7} dtype={dtype:<8} attention={r['attention']:<6} params {r['parameters'] / 1e6:7.1f} M  "
+        remat, dtype, *rest = variant.split(":")
+        attention, quantization = rest + ["auto", "none"][len(rest):]
+        r = run_variant(SHAPES[args.shape][0], seq, batch, remat, dtype, attention, args.steps, quantization)
+        line = (f"remat={remat:<7} dtype={dtype:<8} attention={r['attention']:<6} quant={quantization:<4} "
+                f"params {r['parameters'] / 1e6:7.1f} M  "
                 f"first step {r['first_step_s']:6.1f} s  step {r['step_s']:7.3f} s (median {r['median_step_s']:7.3f})  "
                 f"{r['tokens_per_s']:9,.0f} tok/s  {r['tflops']:7.3f} TFLOP/s  "
                 f"{r['anchor_mfu']:6.1%} of the matmul's {r['anchor_tflops']:.3f}")

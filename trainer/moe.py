@@ -77,8 +77,16 @@ def dropless(
     grouped = lambda a, w: grouped_matmul(a, w, sizes, platform or jax.default_backend())  # noqa: E731
     y = _expert_mlp(jnp.take(x, order // k, axis=0), params, act, grouped)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
-    y = jnp.take(y, inverse, axis=0).reshape(tokens, k, -1)
-    return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+    return combine(jnp.take(y, inverse, axis=0).reshape(tokens, k, -1), weights)
+
+
+def combine(y: Array, weights: Array) -> Array:
+    """Each token's k expert outputs y [..., k, D] weighted by weights [..., k] and summed, in float32 -> [..., D].
+
+    A multiply and a sum, not an einsum: quantized training (trainer/quantization.py) rewrites the matmuls of the
+    MoE layer, and this k-term weighted sum is no projection to quantize.
+    """
+    return jnp.sum(y.astype(jnp.float32) * weights[..., None].astype(jnp.float32), axis=-2).astype(y.dtype)
 
 
 def capacity(seq_len: int, k: int, num_experts: int, factor: float) -> int:
@@ -124,8 +132,7 @@ def with_capacity(
     y = by_sequence(y.reshape(batch, num_experts * slots, -1))
     y = jnp.concatenate([y, jnp.zeros_like(y[:, :1])], axis=1)  # dropped pairs read the zero slot
     y = jnp.take_along_axis(y, by_sequence(slot)[..., None], axis=1, mode="promise_in_bounds")
-    y = by_sequence(y).reshape(batch, seq_len, k, -1)
-    return jnp.einsum("bskd,bsk->bsd", y, weights.astype(y.dtype)), kept.reshape(batch, seq_len, k)
+    return combine(by_sequence(y).reshape(batch, seq_len, k, -1), weights), kept.reshape(batch, seq_len, k)
 
 
 def router_stats(experts: Array, probs: Array, valid: Array, kept: Array | None = None) -> dict[str, Array]:
@@ -133,9 +140,9 @@ def router_stats(experts: Array, probs: Array, valid: Array, kept: Array | None 
     valid = valid.reshape(-1).astype(jnp.float32)
     counts = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(1)  # [T, E]
     dropped = jnp.zeros(()) if kept is None else jnp.sum(jnp.where(kept.reshape(valid.size, -1), 0.0, valid[:, None]))
-    return {
-        "counts": valid @ counts,
-        "probs": valid @ probs.astype(jnp.float32),
+    return {  # sums, not matmuls, for the same reason as in `combine`
+        "counts": jnp.sum(valid[:, None] * counts, axis=0),
+        "probs": jnp.sum(valid[:, None] * probs.astype(jnp.float32), axis=0),
         "tokens": jnp.sum(valid),
         "dropped": dropped,
     }
