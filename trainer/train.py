@@ -379,7 +379,8 @@ def _compile_step(
     compiled = lowered.compile()
     capacity, capacity_source = memory_of(jax.tree.leaves(params)[0].sharding.mesh.devices.flat[0])
     report = memory_report(compiled, capacity)
-    log(f"compiled the train step in {time.perf_counter() - start:.1f}s: " + describe_memory(report, capacity, capacity_source))
+    seconds = time.perf_counter() - start
+    log(f"compiled the train step in {seconds:.1f}s: " + describe_memory(report, capacity, capacity_source))
     if hlo_dir is not None:
         log(f"wrote the train step's HLO and memory report to {dump(compiled, lowered, hlo_dir, report)}")
     return compiled
