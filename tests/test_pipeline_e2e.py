@@ -47,6 +47,11 @@ def test_every_artifact_is_complete_with_a_manifest(pipeline_run):
     assert m["checkpoints"]["inputs"][0]["version"] == m["dataset"]["version"]
     text = summary(result)
     assert "val loss" in text and m["model"]["version"] in text and "train time  goodput " in text
+    # The train task's KFP metrics: its final loss, throughput and goodput totals.
+    executor = json.loads((Path(result["root"]) / result["run"] / "train" / "executor_output.json").read_text())
+    (train_metrics,) = executor["artifacts"]["metrics"]["artifacts"]
+    assert train_metrics["metadata"]["final_loss"] == m["checkpoints"]["stats"]["final_loss"]
+    assert 0 < train_metrics["metadata"]["goodput"] < 1 and train_metrics["metadata"]["goodput_attempts"] == 1
 
 
 def test_eval_report_draws_the_training_curve(pipeline_run):
