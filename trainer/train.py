@@ -302,10 +302,10 @@ def train(
     log(f"{flops / 1e9:,.1f} GFLOP per step; peak {peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     sharding = batch_sharding(mesh)
     next_batch = lambda: _global_batch(next(data), sharding, train_cfg.batch_size)  # noqa: E731
-    with mesh, nn.logical_axis_rules(RULES):
+    if start < train_cfg.steps:  # (a rerun of a finished training has nothing to compile)
         with account.phase("data_wait"):
             batch = next_batch()
-        with account.phase("compile"):
+        with mesh, nn.logical_axis_rules(RULES), account.phase("compile"):
             step_fn = _compile_step(
                 make_train_step(model, tx, train_cfg.grad_accum_steps, (param_shapes, opt_shapes)), params, opt_state,
                 batch, run_dir / HLO_DIR if settings.hlo_dump and primary else None, log,
