@@ -46,9 +46,9 @@ def _config(emb: int, layers: int, dtype: str):
 
 def write_checkpoint(path: Path, emb: int, layers: int, dtype: str, shards: int = 4) -> int:
     """A random HF Llama checkpoint in `shards` safetensors files with an index; returns its data bytes."""
-    from trainer.hf_config import hf_config_from_model
-    from trainer.hf_tensors import hf_names, tensor_specs
-    from trainer.safetensors_io import write_safetensors
+    from trainer.hf.config import hf_config_from_model
+    from trainer.hf.tensors import hf_names, tensor_specs
+    from trainer.hf.safetensors_io import write_safetensors
 
     cfg = _config(emb, layers, dtype)
     rng = np.random.default_rng(0)
@@ -69,8 +69,8 @@ def write_checkpoint(path: Path, emb: int, layers: int, dtype: str, shards: int 
 
 def child(hf_dir: str, out_dir: str, what: str) -> None:
     """Run in a fresh process: convert and print timing and RSS (KiB) as JSON."""
-    from trainer.hf_config import model_config_from_hf, read_hf_config
-    from trainer.ingest import ingest, load_hf_params
+    from trainer.hf.config import model_config_from_hf, read_hf_config
+    from trainer.hf.ingest import ingest, load_hf_params
 
     cfg = model_config_from_hf(read_hf_config(hf_dir))
     cfg = cfg.model_copy(update={"param_dtype": json.loads(Path(hf_dir, "config.json").read_text())["dtype"]})

@@ -2,8 +2,8 @@
 
     python benchmarks/eval_throughput.py [PRESET] [key=value ...]      (default preset: demo)
 
-Times the eval step's jitted loss (trainer.evaluate, forward only) and the train step
-(trainer.train.make_train_step: forward, backward, optimizer update) on random token batches of
+Times the eval step's jitted loss (trainer.eval.evaluate, forward only) and the train step
+(trainer.train.loop.make_train_step: forward, backward, optimizer update) on random token batches of
 train.batch_size x data.seq_len, compilation excluded, median of repeated runs. The anchor is the
 train step's tokens/s; goal: eval >= 2x. Also times KV-cache decoding (tokens/s of new tokens).
 Record the output in benchmarks/RESULTS.md.
@@ -34,11 +34,11 @@ def _median_seconds(fn, repeats: int) -> float:
 
 def main(argv: list[str]) -> None:
     from configs import load_config
-    from trainer.decode import generate_batch
-    from trainer.evaluate import _loss_step
-    from trainer.model import Transformer, param_count
-    from trainer.optimizer import make_optimizer
-    from trainer.train import make_train_step
+    from trainer.eval.decode import generate_batch
+    from trainer.eval.evaluate import _loss_step
+    from trainer.model.decoder import Transformer, param_count
+    from trainer.train.optimizer import make_optimizer
+    from trainer.train.loop import make_train_step
 
     preset = argv[0] if argv and "=" not in argv[0] else None
     cfg = load_config(preset, argv[1:] if preset else argv)

@@ -45,8 +45,8 @@ def write_run(run: Path, emb: int, layers: int) -> int:
     import jax
     import orbax.checkpoint as ocp
 
-    from trainer.checkpoint import CHECKPOINTS_DIR
-    from trainer.param_reader import abstract_params
+    from trainer.train.checkpoint import CHECKPOINTS_DIR
+    from trainer.params.reader import abstract_params
 
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32), abstract_params(_config(emb, layers)))
@@ -63,8 +63,11 @@ def child(run: str, out: str, how: str, emb: int, layers: int) -> None:
     import jax
     import orbax.checkpoint as ocp
 
-    from trainer import checkpoint, param_reader, param_writer, scan_layers
-    from trainer.export import export_hf
+    from trainer.train import checkpoint
+    from trainer.params import reader as param_reader
+    from trainer.params import writer as param_writer
+    from trainer.params import scan_layers
+    from trainer.hf.export import export_hf
 
     cfg = _config(emb, layers)
     jax.device_put(np.zeros(1)).block_until_ready()

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train_throughput import run_variant  # benchmarks/ is on the path when run as a script
-from trainer import moe
+from trainer.model import routing as moe
 
 DENSE = ["model.emb_dim=512", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=8", "model.head_dim=64",
          "model.mlp_dim=1536", "model.vocab_size=8192"]

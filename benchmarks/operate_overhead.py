@@ -26,7 +26,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from configs import TrainConfig, TrainSettings, load_config
 from contract.records import DTYPE
-from trainer.train import train
+from trainer.train.loop import train
 
 
 def write_dataset(directory: Path, rows: int, seq_len: int, vocab: int) -> Path:

@@ -11,9 +11,9 @@ Float32 master weights and AdamW; `dtype` is the compute dtype; `attention` is m
 left out; the kernel it resolves to is printed); `quantization` is train.quantization (none | int8 | fp8; none
 when left out: the layers' matmuls in 8 bits through Qwix, their FLOPs counted as float ones). Each variant is
 compiled, run once to warm up, then timed over N steps of synthetic batches on one device. FLOPs are counted as
-MaxText does (trainer/metrics.py: matmuls only, recomputation not counted).
+MaxText does (trainer/train/metrics.py: matmuls only, recomputation not counted).
 
-Anchors: on a known accelerator, its dense bf16 peak from trainer/accelerators.py (MFU as MaxText reports
+Anchors: on a known accelerator, its dense bf16 peak from trainer/train/accelerators.py (MFU as MaxText reports
 it) and a bf16 8192^2 matmul (median of 8) measured just before the variant; on CPU, float32 2048^2 matmuls measured around
 each variant, both wall-clock (fastest step against the best matmul) and per CPU-second of this process,
 which other work on a shared machine disturbs far less. Record the output in benchmarks/RESULTS.md.
@@ -30,12 +30,12 @@ import numpy as np
 import flax.linen as nn
 
 from configs import load_config
-from trainer.accelerators import chip_of
-from trainer.metrics import measure_matmul_flops, train_flops_per_step
-from trainer.model import param_count
-from trainer.optimizer import make_optimizer
-from trainer.sharding import RULES, batch_sharding, make_mesh
-from trainer.train import abstract_opt_state, abstract_params, init_opt_state, init_params, make_model, make_train_step
+from trainer.train.accelerators import chip_of
+from trainer.train.metrics import measure_matmul_flops, train_flops_per_step
+from trainer.model.decoder import param_count
+from trainer.train.optimizer import make_optimizer
+from trainer.model.sharding import RULES, batch_sharding, make_mesh
+from trainer.train.loop import abstract_opt_state, abstract_params, init_opt_state, init_params, make_model, make_train_step
 
 SHAPES = {  # model overrides, seq, batch
     "cpu60m": (["model.emb_dim=512", "model.num_layers=8", "model.num_heads=8", "model.num_kv_heads=8",

@@ -3,7 +3,7 @@
 The launcher (the pipeline's train task) plans the step like any other, so a complete version in the
 store is still a cache hit; a retried launcher follows the job its last attempt started, or starts
 one that resumes from the checkpoints it left (cloud/custom_job.py). Each host learns its place from
-CLUSTER_SPEC (trainer/distributed.py).
+CLUSTER_SPEC (trainer/train/distributed.py).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def plan_prep(cfg: Config, log: Log = print) -> Step:
 
 def plan_ingest(cfg: Config, hf_dir: str | Path, log: Log = print) -> Step:
     """Convert a HF checkpoint (safetensors; pickle only if allowed) into our Orbax params (a Model artifact)."""
-    from trainer.ingest import ingest
+    from trainer.hf.ingest import ingest
 
     allow_pickle = cfg.pipeline.hf_allow_pickle
     uri = str(hf_dir) if "://" in str(hf_dir) else str(Path(hf_dir).absolute())
@@ -89,8 +89,8 @@ def plan_train(cfg: Config, dataset_dir: str | Path, init_dir: str | Path | None
 
     Its goodput counts from this process's start: the CLI's, a KFP task's or a custom job host's.
     """
-    from trainer.goodput import process_start
-    from trainer.train import train
+    from trainer.train.goodput import process_start
+    from trainer.train.loop import train
 
     train_cfg = versions.only(cfg.train, TRAIN_FIELDS)
     settings = TrainSettings(**cfg.train.model_dump(include=set(TrainSettings.model_fields)))
@@ -103,7 +103,7 @@ def plan_train(cfg: Config, dataset_dir: str | Path, init_dir: str | Path | None
 
 def plan_export(cfg: Config, train_dir: str | Path, dataset_dir: str | Path, log: Log = print) -> Step:
     """Param-only Orbax checkpoint and a HF directory from the last training checkpoint (a Model artifact)."""
-    from trainer.export import export
+    from trainer.hf.export import export
 
     exp = cfg.export
     work = functools.partial(
@@ -118,7 +118,7 @@ def plan_export(cfg: Config, train_dir: str | Path, dataset_dir: str | Path, log
 
 def plan_eval(cfg: Config, model_dir: str | Path, dataset_dir: str | Path, log: Log = print) -> Step:
     """Validation loss, perplexity, samples and task scores of an exported model, and a report (a metrics artifact)."""
-    from trainer.eval_run import run_eval
+    from trainer.eval.run import run_eval
 
     inputs = [reference(model_dir), reference(dataset_dir)]
     if cfg.eval.tasks:  # a changed task file is a new evaluation

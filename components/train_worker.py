@@ -2,7 +2,7 @@
 
     python -m components.train_worker --config JSON --dataset DIR --out DIR [--init DIR]
 
-Every process joins the JAX cluster (trainer/distributed.py reads CLUSTER_SPEC and the other
+Every process joins the JAX cluster (trainer/train/distributed.py reads CLUSTER_SPEC and the other
 conventions), trains its share, and process 0 publishes the manifest once all of them are done.
 """
 
@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", default=None, help="the version the launcher planned: refuse to train another")
     args = parser.parse_args(argv)
     try:
-        from trainer import distributed
+        from trainer.train import distributed
 
         distributed.initialize()
         import jax

@@ -1,4 +1,4 @@
-"""The prep step's records, as its writer (data_prep/pack.py) and its reader (trainer/data.py) share them.
+"""The prep step's records, as its writer (data_prep/pack.py) and its reader (trainer/train/data.py) share them.
 
 A record is little-endian int32 ids (`np.frombuffer(record, "<i4")`), one or more fields of
 `seq_len` each, named in the dataset manifest's `stats.record_format`:

@@ -172,11 +172,11 @@ def _split_items(
 def _compile_train(cfg: Config, dataset: str | None, topology: str) -> bool | None:
     """`maxpipe train --compile-only`: the step compiled for the mesh (of a TPU slice), on the dataset's sequences
     if given; whether it fits the devices' memory (None where that is unknown, on CPU)."""
-    from trainer.train import compile_only
+    from trainer.train.loop import compile_only
 
     seq_len, documents = cfg.data.seq_len, cfg.data.packing == "documents"
     if dataset:
-        from trainer.data import record_format
+        from trainer.train.data import record_format
 
         fmt = record_format(dataset)
         seq_len, documents = fmt.seq_len or seq_len, fmt.packing == "documents"

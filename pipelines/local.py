@@ -17,7 +17,7 @@ from configs import Config, UserError
 from contract.manifest import require_manifest
 from pipelines.dag import build_pipeline
 from pipelines.lineage_store import LineageStore, store_path
-from trainer.goodput import line_of
+from trainer.train.goodput import line_of
 
 Log = Callable[[str], None]
 # Chatter of Beam's worker processes (apitools is only needed for Dataflow), hidden unless --debug.
@@ -102,7 +102,7 @@ def preflight(cfg: Config) -> None:
             raise UserError(f"{key}: {tokenizer} holds no tokenizer ({HF_FILE} or {SP_FILE}); "
                             "give one with data.tokenizer=PATH")
     if cfg.pipeline.hf_checkpoint:
-        from trainer.hf_config import check_hf_config, read_hf_config
+        from trainer.hf.config import check_hf_config, read_hf_config
 
         check_hf_config(read_hf_config(cfg.pipeline.hf_checkpoint), cfg.model)
 

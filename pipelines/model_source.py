@@ -31,7 +31,7 @@ def resolve_config(
 def checkpoint_model(hf_dir: str, log: Log = print) -> ModelConfig:
     """The model config of a HF checkpoint's config.json, named after its directory."""
     from contract.manifest import mounted_url
-    from trainer.hf_config import model_config_from_hf, read_hf_config
+    from trainer.hf.config import model_config_from_hf, read_hf_config
 
     url = mounted_url(hf_dir)  # a /gcs/ path of the steps is read through gs:// here
     try:
@@ -60,6 +60,6 @@ def artifact_model(directory: str | Path, log: Log = print) -> dict[str, Any]:
 
 def _parameters(model: ModelConfig) -> int:
     """Counted from the tensor shapes: building the model would start JAX in this (the launching) process."""
-    from trainer.hf_tensors import hf_names, tensor_specs
+    from trainer.hf.tensors import hf_names, tensor_specs
 
     return sum(math.prod(s.hf_shape) * len(hf_names(s, model)) for s in tensor_specs(model))

@@ -19,7 +19,7 @@ from PIL import Image
 
 from contract import manifest as artifacts
 from pipelines.lineage import lineage_main
-from trainer.report import write_report
+from trainer.eval.report import write_report
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="no chromium, chromium-browser or google-chrome on PATH "

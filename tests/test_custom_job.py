@@ -179,7 +179,7 @@ def run_pools_locally(body: dict[str, Any], logs: Path) -> str | None:
 def test_pipeline_train_task_trains_on_two_hosts_through_a_custom_job(
     fake: FakeVertex, dataset: Path, tmp_path: Path,
 ) -> None:
-    pytest.importorskip("trainer.distributed")
+    pytest.importorskip("trainer.train.distributed")
     logs = tmp_path / "logs"
     logs.mkdir()
     fake.run_custom_job = lambda body: run_pools_locally(body, logs)

@@ -19,6 +19,8 @@ ALLOWED = {
     "components": {"configs", "contract", "cloud", "data_prep", "trainer"},
     "pipelines": {"configs", "contract", "cloud", "data_prep", "trainer", "components"},
 }
+# The trainer's sub-packages, lowest first: each may import those before it.
+TRAINER = ("model", "params", "train", "hf", "eval")
 
 
 def module_names() -> list[str]:
@@ -67,3 +69,19 @@ def test_imports_point_down_the_layers(graph: dict[str, set[str]]) -> None:
     wrong = sorted(f"{name} imports {target}" for name, targets in graph.items() for target in targets
                    if (dst := target.split(".")[0]) != (src := name.split(".")[0]) and dst not in ALLOWED[src])
     assert not wrong, "imports against the layer rule:\n" + "\n".join(wrong)
+
+
+def test_trainer_subpackages_point_down(graph: dict[str, set[str]]) -> None:
+    def sub(name: str) -> str:
+        return name.split(".")[1] if name.startswith("trainer.") else ""
+
+    assert {sub(name) for name in graph if name.count(".") >= 2 and name.startswith("trainer.")} == set(TRAINER)
+    wrong = sorted(f"{name} imports {target}" for name, targets in graph.items() if sub(name) for target in targets
+                   if sub(target) and TRAINER.index(sub(target)) > TRAINER.index(sub(name)))
+    assert not wrong, "trainer imports against its sub-package order:\n" + "\n".join(wrong)
+
+
+def test_package_inits_import_nothing() -> None:
+    """Importing trainer.X runs trainer/X/__init__.py: empty ones keep each step's code version to what it runs."""
+    inits = [p for p in (ROOT / "trainer").rglob("__init__.py") if "import" in p.read_text()]
+    assert not inits, f"{inits[0]} imports: a step's code version would then hash more than the step runs"

@@ -13,7 +13,7 @@ from configs import load_config, names_model, setting
 from contract.manifest import MANIFEST
 from pipelines.cli import main
 from tests.helpers import small_corpus, tiny_hf_llama
-from trainer.hf_config import model_config_from_hf, read_hf_config
+from trainer.hf.config import model_config_from_hf, read_hf_config
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ from contract.manifest import MANIFEST
 from configs import load_config
 from pipelines.local import run_local, summary
 from pipelines.model_source import resolve_config
-from trainer.data import shard_paths
-from trainer.hf_config import model_config_from_hf, read_hf_config
-from trainer.loss import validation_loss
-from trainer.model import Transformer
-from trainer.sharding import make_mesh
-from trainer.train import init_params
+from trainer.train.data import shard_paths
+from trainer.hf.config import model_config_from_hf, read_hf_config
+from trainer.train.loss import validation_loss
+from trainer.model.decoder import Transformer
+from trainer.model.sharding import make_mesh
+from trainer.train.loop import init_params
 from tests.helpers import small_corpus, tiny_hf_llama
 
 
@@ -87,7 +87,7 @@ def test_exported_hf_model_matches_ours(pipeline_run):
     tokenizer = transformers.AutoTokenizer.from_pretrained(export / "hf")
     ids = tokenizer("def main(argv):\n    return sorted(argv)\n" * 8)["input_ids"][:cfg.data.seq_len]
 
-    from trainer.param_reader import abstract_params, load_params
+    from trainer.params.reader import abstract_params, load_params
 
     params = load_params(export, abstract_params(cfg.model))
     ours = np.asarray(Transformer(cfg.model).apply({"params": params}, jnp.asarray([ids], jnp.int32)))

@@ -71,8 +71,8 @@ def trees(tmp_path_factory):
                 f.write("\n# an edit\n")
         return plan_all(tree, base / "scratch")
 
-    return {"same": copy("same"), "report": copy("report", "trainer/report.py"),
-            "model": copy("model", "trainer/model.py"), "checkout": plan_all(ROOT, base / "scratch")}
+    return {"same": copy("same"), "report": copy("report", "trainer/eval/report.py"),
+            "model": copy("model", "trainer/model/decoder.py"), "checkout": plan_all(ROOT, base / "scratch")}
 
 
 def changed(before: dict, after: dict) -> list[str]:
@@ -121,8 +121,8 @@ def test_a_steps_work_reads_only_what_versions_it(data):
 
 
 def test_code_versions_follow_imports_not_packages():
-    train = versions.modules_run("trainer.train")
-    assert "trainer.model" in train and "trainer.loss" in train
-    assert not {"trainer.report", "trainer.export", "trainer.decode", "trainer.evaluate"} & set(train)
+    train = versions.modules_run("trainer.train.loop")
+    assert "trainer.model.decoder" in train and "trainer.train.loss" in train
+    assert not {"trainer.eval.report", "trainer.hf.export", "trainer.eval.decode", "trainer.eval.evaluate"} & set(train)
     assert "contract.records" in versions.modules_run("data_prep.prep")
     assert not any(m.startswith("configs") for m in train)  # config values are hashed, not config code

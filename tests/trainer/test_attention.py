@@ -12,10 +12,10 @@ import pytest
 
 from configs import UserError, load_config
 from tests.trainer.test_train_step import _batch
-from trainer.attention import choose, flash_attention, xla_attention
-from trainer.model import Transformer, init_cache
-from trainer.sharding import RULES, batch_sharding, make_mesh
-from trainer.train import abstract_params, init_params, loss_and_grads
+from trainer.model.kernels import choose, flash_attention, xla_attention
+from trainer.model.decoder import Transformer, init_cache
+from trainer.model.sharding import RULES, batch_sharding, make_mesh
+from trainer.train.loop import abstract_params, init_params, loss_and_grads
 
 # Flash kernels sum the softmax block by block (online softmax) where XLA sums each row at once: float32
 # rounding (2^-24 relative per addition) differs by a few ulps of the largest value. Measured on these

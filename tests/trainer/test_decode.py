@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from configs import load_config
-from trainer.decode import generate_batch, sample_logits
-from trainer.model import Transformer, init_cache
+from trainer.eval.decode import generate_batch, sample_logits
+from trainer.model.decoder import Transformer, init_cache
 
 # A model with every feature on: local/global layers, QK-norm, post norms, soft-capping, (1 + w) norms.
 GEMMA3_LIKE = dict(
@@ -119,7 +119,7 @@ def test_every_parameter_has_logical_axes(model):
 
 
 def test_sharded_forward_matches_unsharded(model):
-    from trainer.sharding import RULES, logical_shardings, make_mesh
+    from trainer.model.sharding import RULES, logical_shardings, make_mesh
 
     cfg, params = model
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices()[:8])

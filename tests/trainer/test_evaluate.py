@@ -15,10 +15,10 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from jax.sharding import Mesh
 
 from configs import UserError, load_config
-from trainer.evaluate import evaluate, generate
-from trainer.loss import token_loss, validation_loss
-from trainer.model import Transformer
-from trainer.tokenizer import load_tokenizer
+from trainer.eval.evaluate import evaluate, generate
+from trainer.train.loss import token_loss, validation_loss
+from trainer.model.decoder import Transformer
+from trainer.hf.tokenizer import load_tokenizer
 
 SEQ_LEN = 32
 VOCAB = 512
@@ -256,7 +256,7 @@ def test_evaluate_end_to_end(tmp_path, cfg, params):
 
 def test_loss_step_keeps_packed_documents_apart(cfg, params):
     """A batch with segment_ids/positions (document packing) scores each document as if it were alone."""
-    from trainer.loss import _loss_step
+    from trainer.train.loss import _loss_step
 
     rng = np.random.default_rng(4)
     a, b = rng.integers(0, VOCAB, 20), rng.integers(0, VOCAB, 12)

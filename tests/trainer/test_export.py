@@ -9,10 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from trainer import param_reader, param_writer, scan_layers
-from trainer.export import export_hf
-from trainer.hf_config import model_config_from_hf, read_hf_config
-from trainer.ingest import load_hf_params
+from trainer.params import reader as param_reader
+from trainer.params import writer as param_writer
+from trainer.params import scan_layers
+from trainer.hf.export import export_hf
+from trainer.hf.config import model_config_from_hf, read_hf_config
+from trainer.hf.ingest import load_hf_params
 
 TOKENS = np.random.default_rng(0).integers(0, 512, (1, 300))
 

@@ -21,15 +21,15 @@ from transformers import AutoModelForCausalLM
 
 from configs import UserError, load_config
 from tests.trainer.hf_models import FAMILIES, VOCAB, tiny_model
-from trainer.decode import generate_batch
-from trainer.loss import token_loss
-from trainer.export import export_hf
-from trainer.hf_config import (
+from trainer.eval.decode import generate_batch
+from trainer.train.loss import token_loss
+from trainer.hf.export import export_hf
+from trainer.hf.config import (
     check_exportable, check_hf_config, hf_config_from_model, model_config_from_hf, read_hf_config,
 )
-from trainer.ingest import ingest, load_hf_params
-from trainer.model import Transformer
-from trainer.param_reader import abstract_params, load_params
+from trainer.hf.ingest import ingest, load_hf_params
+from trainer.model.decoder import Transformer
+from trainer.params.reader import abstract_params, load_params
 
 REL_TOL = 2e-5
 PROMPT_LEN = 300
@@ -123,8 +123,8 @@ def test_export_refuses_features_the_family_lacks(tmp_path):
 def test_ingest_reads_experts_fused_as_transformers_holds_them(tmp_path, monkeypatch):
     """A state_dict() checkpoint (each layer's experts in one tensor, gate and up fused; Mixtral's block_sparse_moe
     named mlp) ingests as save_pretrained's per-expert one, converted layer by layer in blocks of a few rows."""
-    monkeypatch.setattr("trainer.ingest._SPLIT_BYTES", 1)
-    monkeypatch.setattr("trainer.ingest._BLOCK_BYTES", 3 * 64 * 4)
+    monkeypatch.setattr("trainer.hf.ingest._SPLIT_BYTES", 1)
+    monkeypatch.setattr("trainer.hf.ingest._BLOCK_BYTES", 3 * 64 * 4)
     for family in ("mixtral", "qwen3_moe"):
         model, out = tiny_model(family), tmp_path / family
         model.save_pretrained(out / "hf")
@@ -190,7 +190,7 @@ ACTIVE = {"mixtral_8x7b": 12.9e9, "mixtral_8x22b": 39e9, "qwen3_30b_a3b": 3.3e9}
 def test_named_configs_build_the_same_model_in_transformers(name, tmp_path):
     from transformers import AutoConfig
 
-    from trainer.model import param_count
+    from trainer.model.decoder import param_count
 
     cfg = load_config("tiny", [f"model.name={name}"]).model
     hf = json.loads(json.dumps(hf_config_from_model(cfg, None, None)))

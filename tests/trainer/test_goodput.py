@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.goodput import CATEGORIES, GOODPUT_FILE, Goodput, line_of, process_start, read_totals
-from trainer.report import write_report
+from trainer.train.goodput import CATEGORIES, GOODPUT_FILE, Goodput, line_of, process_start, read_totals
+from trainer.eval.report import write_report
 
 PARTS = (*CATEGORIES, "restart")
 

@@ -14,12 +14,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from configs import UserError
-from trainer.export import export_hf
-from trainer.hf_config import check_hf_config, model_config_from_hf, read_hf_config
-from trainer.ingest import ingest, load_hf_params
-from trainer.model import Transformer
-from trainer.param_reader import abstract_params, check_shapes, load_params
-from trainer.tokenizer import load_tokenizer
+from trainer.hf.export import export_hf
+from trainer.hf.config import check_hf_config, model_config_from_hf, read_hf_config
+from trainer.hf.ingest import ingest, load_hf_params
+from trainer.model.decoder import Transformer
+from trainer.params.reader import abstract_params, check_shapes, load_params
+from trainer.hf.tokenizer import load_tokenizer
 
 # Max |ours - HF| relative to max |HF logit|, measured on 300-token prompts: 1.0e-6 (ingest, logits
 # up to 5.3, diff 5.1e-6), 7.4e-7 (tied, logits up to 45, diff 3.3e-5), 2.9e-7 (export of a random

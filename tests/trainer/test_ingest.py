@@ -15,10 +15,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from configs import UserError
-from trainer.hf_config import model_config_from_hf, read_hf_config
-from trainer.ingest import ingest, load_hf_params
-from trainer.model import Transformer
-from trainer.param_reader import abstract_params, load_params
+from trainer.hf.config import model_config_from_hf, read_hf_config
+from trainer.hf.ingest import ingest, load_hf_params
+from trainer.model.decoder import Transformer
+from trainer.params.reader import abstract_params, load_params
 
 
 def _hf_model() -> LlamaForCausalLM:
@@ -53,7 +53,7 @@ def _assert_trees_equal(a, b) -> None:
 
 @pytest.mark.parametrize("scheme", ["memory", "file"])
 def test_ingest_reads_an_fsspec_url(sharded_dir, tmp_path, scheme, monkeypatch):
-    monkeypatch.setattr("trainer.ingest._BLOCK_BYTES", 11 * 64 * 2)  # transposed tensors are read in many ranges
+    monkeypatch.setattr("trainer.hf.ingest._BLOCK_BYTES", 11 * 64 * 2)  # transposed tensors are read in many ranges
     if scheme == "memory":
         fs = fsspec.filesystem("memory")
         fs.put(str(sharded_dir) + "/", "/ckpt/", recursive=True)
@@ -82,8 +82,8 @@ def test_url_errors_name_the_url(sharded_dir):
 def test_conversion_in_small_blocks_matches_transformers(sharded_dir, tmp_path, monkeypatch, by_layer):
     # Blocks of 11 rows: transposes and the bfloat16 -> float32 cast cross many block edges. The
     # embedding and head are written in blocks of vocabulary rows; the layers one by one or stacked whole.
-    monkeypatch.setattr("trainer.ingest._BLOCK_BYTES", 11 * 64 * 2)
-    monkeypatch.setattr("trainer.ingest._SPLIT_BYTES", 0 if by_layer else 1 << 40)
+    monkeypatch.setattr("trainer.hf.ingest._BLOCK_BYTES", 11 * 64 * 2)
+    monkeypatch.setattr("trainer.hf.ingest._SPLIT_BYTES", 0 if by_layer else 1 << 40)
     cfg = _cfg(sharded_dir, "float32")
     ingest(sharded_dir, tmp_path / "out", cfg, log=lambda _: None)
     chunks = lambda name: json.loads((tmp_path / "out" / "params" / name / ".zarray").read_text())["chunks"]  # noqa: E731
@@ -101,7 +101,7 @@ def test_conversion_in_small_blocks_matches_transformers(sharded_dir, tmp_path, 
 
 
 def test_ingested_params_restore_onto_a_sharded_mesh(sharded_dir, tmp_path):
-    from trainer.sharding import logical_shardings, make_mesh
+    from trainer.model.sharding import logical_shardings, make_mesh
 
     cfg = _cfg(sharded_dir)
     ingest(sharded_dir, tmp_path / "out", cfg, log=lambda _: None)

@@ -10,9 +10,9 @@ import pytest
 
 from configs import load_config
 from tests.trainer.test_train_step import _batch
-from trainer.model import Transformer
-from trainer.sharding import RULES, batch_sharding, make_mesh
-from trainer.train import abstract_params, init_params, loss_and_grads
+from trainer.model.decoder import Transformer
+from trainer.model.sharding import RULES, batch_sharding, make_mesh
+from trainer.train.loop import abstract_params, init_params, loss_and_grads
 
 SEQ = 32
 

@@ -14,10 +14,10 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.record_writer import masked_crc32c
 
 from configs import load_config
-from trainer.accelerators import chip_of
-from trainer.metrics import train_flops_per_step
-from trainer.model import Transformer
-from trainer.run_log import MetricsLog
+from trainer.train.accelerators import chip_of
+from trainer.train.metrics import train_flops_per_step
+from trainer.model.decoder import Transformer
+from trainer.train.run_log import MetricsLog
 
 
 def matmul_params(params: dict) -> int:

@@ -18,12 +18,12 @@ from configs import load_config
 from tests.trainer.hf_models import VOCAB, tiny_model
 from tests.trainer.test_metrics import tensorboard_scalars
 from tests.trainer.test_train_data import random_dataset, split_train
-from trainer import moe
-from trainer.hf_config import model_config_from_hf, read_hf_config
-from trainer.ingest import load_hf_params
-from trainer.metrics import train_flops_per_step
-from trainer.model import Transformer
-from trainer.train import compile_only, train
+from trainer.model import routing as moe
+from trainer.hf.config import model_config_from_hf, read_hf_config
+from trainer.hf.ingest import load_hf_params
+from trainer.train.metrics import train_flops_per_step
+from trainer.model.decoder import Transformer
+from trainer.train.loop import compile_only, train
 
 MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.load_balance_weight=0.01"]
 

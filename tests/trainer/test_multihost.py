@@ -14,8 +14,8 @@ import pytest
 
 from configs import UserError, load_config
 from tests.trainer.test_train_data import random_dataset, split_train
-from trainer.distributed import cluster_args, initialize, vertex_cluster
-from trainer.train import train
+from trainer.train.distributed import cluster_args, initialize, vertex_cluster
+from trainer.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["train.steps=6", "train.batch_size=8", "train.warmup_steps=1", "train.checkpoint_every=3"]
@@ -23,16 +23,16 @@ WORKER = """
 import json, sys
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-from trainer import distributed
+from trainer.train import distributed
 assert distributed.initialize(), "expected a multi-process run"
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
 from configs import load_config
 from tests.trainer.test_train_data import split_train
-from trainer.train import train
+from trainer.train.loop import train
 cfg = load_config("tiny", json.loads(sys.argv[3]))
 train(cfg.model, *split_train(cfg.train), sys.argv[1], sys.argv[2],
       log=lambda line: print(jax.process_index(), line, flush=True))
-from trainer.sharding import make_mesh
+from trainer.model.sharding import make_mesh
 mesh = make_mesh(cfg.train.mesh, dcn=cfg.train.dcn_mesh)  # as train() made it: which process holds each position
 print("owners", json.dumps([[[d.process_index for d in r] for r in plane] for plane in mesh.devices[:, :, 0]]), flush=True)
 """

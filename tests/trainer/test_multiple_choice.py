@@ -10,10 +10,10 @@ import torch
 
 from configs import UserError
 from tests.trainer.hf_models import tiny_model
-from trainer.hf_config import model_config_from_hf, read_hf_config
-from trainer.ingest import load_hf_params
-from trainer.multiple_choice import continuation_logprobs, load_task, score_task
-from trainer.tokenizer import load_tokenizer
+from trainer.hf.config import model_config_from_hf, read_hf_config
+from trainer.hf.ingest import load_hf_params
+from trainer.eval.multiple_choice import continuation_logprobs, load_task, score_task
+from trainer.hf.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from jax.profiler import ProfileData
 
 from configs import load_config
 from tests.trainer.test_train_data import random_dataset, split_train
-from trainer import train as train_module
-from trainer.train import train
-from trainer.watchdog import EXIT_CODE
+from trainer.train import loop as train_module
+from trainer.train.loop import train
+from trainer.train.watchdog import EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[2]
 CATEGORIES = ("startup", "restore", "compile", "productive", "data_wait", "checkpoint", "validation", "other")
@@ -85,8 +85,8 @@ HUNG_RUN = """
 import json, sys, time
 from configs import load_config
 from tests.trainer.test_train_data import split_train
-from trainer import train as train_module
-from trainer.goodput import process_start
+from trainer.train import loop as train_module
+from trainer.train.goodput import process_start
 fetch, fetches = train_module._global_batch, []
 def hung_fetch(*args):
     fetches.append(1)

@@ -18,9 +18,10 @@ import pytest
 from orbax.checkpoint import type_handlers
 
 from configs import UserError
-from trainer import param_writer, scan_layers
-from trainer.param_reader import load_params
-from trainer.param_writer import LazyParam, lazy_copies, save_lazy_params
+from trainer.params import writer as param_writer
+from trainer.params import scan_layers
+from trainer.params.reader import load_params
+from trainer.params.writer import LazyParam, lazy_copies, save_lazy_params
 
 
 def _break_orbax_internals(monkeypatch: pytest.MonkeyPatch, how: str) -> None:

@@ -1,4 +1,4 @@
-"""Quantized training (trainer/quantization.py): the quantized forward pass stays close to the float one, int8 and fp8
+"""Quantized training (trainer/model/quantization.py): the quantized forward pass stays close to the float one, int8 and fp8
 training track float training, exactly the layers' projections and experts are quantized (fp8: e4m3 forward, e5m2
 backward), weights and optimizer state stay float32 in the float params tree, and the refusals."""
 
@@ -15,12 +15,12 @@ import pytest
 from jax.extend import core as jax_core
 
 from configs import UserError, load_config
-from trainer import moe
-from trainer.model import Transformer
-from trainer.optimizer import make_optimizer
-from trainer.quantization import check_quantization, quantize
-from trainer.sharding import RULES, batch_sharding, make_mesh
-from trainer.train import (
+from trainer.model import routing as moe
+from trainer.model.decoder import Transformer
+from trainer.train.optimizer import make_optimizer
+from trainer.model.quantization import check_quantization, quantize
+from trainer.model.sharding import RULES, batch_sharding, make_mesh
+from trainer.train.loop import (
     abstract_batch, abstract_opt_state, abstract_params, init_opt_state, init_params, loss_and_grads, make_model,
     make_train_step,
 )

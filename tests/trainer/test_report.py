@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
-from trainer.report import loss_svg, read_loss_curves, write_report
+from trainer.eval.report import loss_svg, read_loss_curves, write_report
 
 RESULTS = {
     "val_loss": 4.5, "val_perplexity": 90.0171, "val_tokens": 1000, "prompt": "def ", "sample": "f(x): <b>&",

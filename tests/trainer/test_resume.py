@@ -19,12 +19,12 @@ import pytest
 from configs import UserError, load_config
 from tests.trainer.test_metrics import tensorboard_scalars
 from tests.trainer.test_train_data import random_dataset, split_train
-from trainer import checkpoint
-from trainer.data import shard_paths, train_iterator
-from trainer.model import Transformer
-from trainer.optimizer import make_optimizer
-from trainer.sharding import make_mesh
-from trainer.train import abstract_opt_state, abstract_params, init_params, train
+from trainer.train import checkpoint
+from trainer.train.data import shard_paths, train_iterator
+from trainer.model.decoder import Transformer
+from trainer.train.optimizer import make_optimizer
+from trainer.model.sharding import make_mesh
+from trainer.train.loop import abstract_opt_state, abstract_params, init_params, train
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["train.steps=20", "train.batch_size=8", "train.warmup_steps=2", "train.checkpoint_every=5",
@@ -34,7 +34,7 @@ SLOW_RUN = """
 import json, sys, time
 from configs import load_config
 from tests.trainer.test_train_data import split_train
-from trainer.train import train
+from trainer.train.loop import train
 cfg = load_config("tiny", json.loads(sys.argv[3]))
 train(cfg.model, *split_train(cfg.train), sys.argv[1], sys.argv[2],
       log=lambda line: (print(line, flush=True), time.sleep(0.3)))

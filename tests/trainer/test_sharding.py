@@ -10,7 +10,7 @@ import pytest
 from jax.experimental import mesh_utils
 
 from configs import UserError, load_config
-from trainer.sharding import device_grid, granules, make_mesh
+from trainer.model.sharding import device_grid, granules, make_mesh
 
 
 @dataclass(frozen=True)

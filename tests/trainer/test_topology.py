@@ -7,9 +7,9 @@ import importlib.util
 import pytest
 
 from configs import UserError, load_config
-from trainer import topology
-from trainer.topology import parse_slice
-from trainer.train import compile_only
+from trainer.train import topology
+from trainer.train.topology import parse_slice
+from trainer.train.loop import compile_only
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (pip install -e '.[tpu]')"

@@ -12,9 +12,9 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from configs import TrainConfig, TrainSettings, UserError, load_config
-from trainer.data import eval_batches, record_format, sequence_length, shard_paths, to_example, train_iterator
-from trainer.loss import token_loss
-from trainer.model import Transformer
+from trainer.train.data import eval_batches, record_format, sequence_length, shard_paths, to_example, train_iterator
+from trainer.train.loss import token_loss
+from trainer.model.decoder import Transformer
 
 PAD = -1
 

@@ -14,10 +14,10 @@ import pytest
 from configs import UserError, load_config
 from tests.trainer.test_metrics import read_events, tensorboard_scalars
 from tests.trainer.test_train_data import pack_documents, split_train, write_manifest, write_shard
-from trainer.model import Transformer
-from trainer.optimizer import make_optimizer
-from trainer.sharding import RULES, batch_sharding, make_mesh
-from trainer.train import compile_only, init_opt_state, init_params, loss_and_grads, make_train_step, train
+from trainer.model.decoder import Transformer
+from trainer.train.optimizer import make_optimizer
+from trainer.model.sharding import RULES, batch_sharding, make_mesh
+from trainer.train.loop import compile_only, init_opt_state, init_params, loss_and_grads, make_train_step, train
 
 SEQ = 32
 

@@ -6,7 +6,7 @@ timeout), and show that a line did not come by waiting for a later one the watch
 
 import threading
 
-from trainer.watchdog import EXIT_CODE, Watchdog
+from trainer.train.watchdog import EXIT_CODE, Watchdog
 
 POLL = 0.01
 TIMEOUT = 10.0  # only reached when a test fails

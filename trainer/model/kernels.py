@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from configs import ModelConfig, UserError
-from trainer.sharding import BATCH_AXES
+from trainer.model.sharding import BATCH_AXES
 
 Array = jax.Array
 SPLASH_BLOCKS = (512, 256, 128)  # splash tiles: the largest that divides the sequence (TPU lanes are 128 wide)

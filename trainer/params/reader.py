@@ -15,7 +15,7 @@ import tensorstore as ts  # orbax-checkpoint's own storage layer
 from orbax.checkpoint import type_handlers
 
 from configs import ModelConfig, UserError
-from trainer import scan_layers
+from trainer.params import scan_layers
 
 PARAMS_DIR = "params"  # the param-only checkpoint's directory in an ingest or export output
 
@@ -23,7 +23,7 @@ PARAMS_DIR = "params"  # the param-only checkpoint's directory in an ingest or e
 def load_params(directory: str | Path, abstract: Any | None = None) -> Any:
     """Read a param tree from `directory/params`; with `abstract` (shapes/dtypes/shardings) it is checked and placed.
 
-    The checkpoint may be unscanned or hold another float dtype (see trainer/scan_layers.py): it is then
+    The checkpoint may be unscanned or hold another float dtype (see trainer/params/scan_layers.py): it is then
     read as stored, restacked and cast to what `abstract` asks for.
     """
     path = Path(directory).absolute() / PARAMS_DIR
@@ -61,7 +61,7 @@ def abstract_params(cfg: ModelConfig, seq_len: int = 8) -> Any:
     import jax.numpy as jnp
     import flax.linen as nn
 
-    from trainer.model import Transformer
+    from trainer.model.decoder import Transformer
 
     tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
     boxed = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tokens)["params"]

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from configs import ModelConfig, UserError
-from trainer.hf_config import check_hf_config, read_hf_config
-from trainer.hf_tensors import (
+from trainer.hf.config import check_hf_config, read_hf_config
+from trainer.hf.tensors import (
     TensorSpec, hf_names, in_memory, is_transposed, stacked_layers, stacked_shape, tensor_specs,
 )
-from trainer.param_writer import LazyParam, save_lazy_params, split
-from trainer.safetensors_io import CheckpointDir, as_bits, open_checkpoint
+from trainer.params.writer import LazyParam, save_lazy_params, split
+from trainer.hf.safetensors_io import CheckpointDir, as_bits, open_checkpoint
 
 Log = Callable[[str], None]
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import ModelConfig
-from trainer.model import Transformer, init_cache
+from trainer.model.decoder import Transformer, init_cache
 
 Array = jax.Array
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from configs import ModelConfig
-from trainer.accelerators import chip_of
+from trainer.train.accelerators import chip_of
 
 
 def train_flops_per_step(cfg: ModelConfig, batch: int, seq_len: int) -> float:

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from configs import EvalConfig, ModelConfig, UserError
-from trainer.data import shard_paths
-from trainer.decode import generate_batch
-from trainer.loss import validation_loss
-from trainer.multiple_choice import score_task
-from trainer.tokenizer import load_tokenizer
+from trainer.train.data import shard_paths
+from trainer.eval.decode import generate_batch
+from trainer.train.loss import validation_loss
+from trainer.eval.multiple_choice import score_task
+from trainer.hf.tokenizer import load_tokenizer
 
 
 def generate(

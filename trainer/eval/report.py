@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from trainer.goodput import GOODPUT_FILE, parts, read_totals
+from trainer.train.goodput import GOODPUT_FILE, parts, read_totals
 
 Series = dict[str, list[tuple[float, float]]]
 _COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
@@ -110,7 +110,7 @@ def _goodput(metrics_path: str | Path | None) -> tuple[str, list[tuple[str, str,
 def write_report(out_dir: str | Path, results: dict[str, Any], metrics_path: str | Path | None = None) -> list[Path]:
     """Write report.md (with loss.svg beside it) and report.html (SVG inline) into out_dir; returns their paths.
 
-    `results` is what `trainer.evaluate.evaluate` returns; `metrics_path` the training metrics.jsonl, if any; the
+    `results` is what `trainer.eval.evaluate.evaluate` returns; `metrics_path` the training metrics.jsonl, if any; the
     goodput.json beside it adds a goodput section.
     """
     out = Path(out_dir)

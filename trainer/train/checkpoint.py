@@ -9,7 +9,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from configs import UserError
-from trainer.param_reader import check_shapes, stored_params
+from trainer.params.reader import check_shapes, stored_params
 
 CHECKPOINTS_DIR = "checkpoints"
 

@@ -9,8 +9,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from configs import ModelConfig, UserError
-from trainer.model import layer_is_global
-from trainer.safetensors_io import CheckpointDir
+from trainer.model.decoder import layer_is_global
+from trainer.hf.safetensors_io import CheckpointDir
 
 # model.family -> (HF architecture, HF model_type)
 FAMILIES = {

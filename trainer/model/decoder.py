@@ -4,8 +4,8 @@ One module, switched by config features (see the `model:` section of configs/bas
 (optionally (1 + w), Gemma), RoPE (plain, linear or Llama 3.1 scaled; its own base on local layers),
 grouped-query attention (optional QK-norm, query pre-attention scalar, logit soft-capping, sliding
 window on local layers), gated MLP (SwiGLU or GeGLU), optional post-attention/post-MLP norms,
-embedding scaling and final logit soft-capping, Mixture-of-Experts MLPs (trainer/moe.py), and an optional
-KV cache for decoding. Attention runs through the kernel chosen for the devices (trainer/attention.py: XLA,
+embedding scaling and final logit soft-capping, Mixture-of-Experts MLPs (trainer/model/routing.py), and an optional
+KV cache for decoding. Attention runs through the kernel chosen for the devices (trainer/model/kernels.py: XLA,
 cuDNN flash attention or splash).
 
 Every parameter carries logical axis names (embed, heads, kv, mlp, vocab, experts, layers); `sharding.py`
@@ -41,8 +41,8 @@ import flax.linen as nn
 import numpy as np
 
 from configs import ModelConfig
-from trainer import moe
-from trainer.attention import flash_attention, xla_attention
+from trainer.model import routing as moe
+from trainer.model.kernels import flash_attention, xla_attention
 
 Array = jax.Array
 
@@ -240,7 +240,7 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Mixture of gated experts: each token through the k experts its router picks, weighted (trainer/moe.py).
+    """Mixture of gated experts: each token through the k experts its router picks, weighted (trainer/model/routing.py).
 
     Returns the output and the layer's router statistics over the `valid` [batch, seq] tokens.
     """
@@ -366,7 +366,7 @@ class Transformer(nn.Module):
     attend to everything cached before them, and the call returns (logits, updated cache).
     An MoE model sows its router statistics per layer (moe.router_stats, over the tokens of segments > 0)
     as intermediates/moe: apply with mutable=["intermediates"] to read them.
-    `attention` is the kernel of a forward pass without a cache (trainer/attention.py: xla, cudnn or splash);
+    `attention` is the kernel of a forward pass without a cache (trainer/model/kernels.py: xla, cudnn or splash);
     splash runs per device of `mesh`.
     """
 

@@ -18,9 +18,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import ModelConfig, UserError
-from trainer.data import eval_batches
-from trainer.model import Transformer
-from trainer.sharding import BATCH_AXES
+from trainer.train.data import eval_batches
+from trainer.model.decoder import Transformer
+from trainer.model.sharding import BATCH_AXES
 
 Array = jax.Array
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from configs import EvalConfig, ModelConfig
-from trainer.evaluate import evaluate
-from trainer.param_reader import abstract_params, load_params
-from trainer.report import write_report
+from trainer.eval.evaluate import evaluate
+from trainer.params.reader import abstract_params, load_params
+from trainer.eval.report import write_report
 
 
 def run_eval(

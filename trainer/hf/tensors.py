@@ -1,7 +1,7 @@
 """Where each parameter lives in a HF checkpoint: per-family tensor names, shapes and conversions.
 
 HF stores torch Linear weights as [out, in]; ours are [in, out] with the head axis split out
-(see `trainer/model.py`). Both sides pair RoPE dimensions by halves (rotate_half), so q/k need no permutation.
+(see `trainer/model/decoder.py`). Both sides pair RoPE dimensions by halves (rotate_half), so q/k need no permutation.
 A Mixture of Experts' expert weights are stacked over [layers, experts] here and one tensor per expert on
 disk; transformers 5 holds each layer's experts in memory as one tensor (gate and up fused), which ingest also reads.
 """
@@ -47,7 +47,7 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     group = cfg.moe_every if cfg.moe else 1
     if group == 1:
         specs += _block_specs(cfg, cfg.moe)
-    else:  # interleaved: blocks j, j + group, ... stacked under layers/block_{j} (see trainer/model.py Blocks)
+    else:  # interleaved: blocks j, j + group, ... stacked under layers/block_{j} (see trainer/model/decoder.py Blocks)
         for j in range(group):
             layers = tuple(range(j, cfg.num_layers, group))
             specs += [replace(spec, path=("layers", f"block_{j}", *spec.path[1:]), layers=layers)

@@ -17,15 +17,15 @@ from typing import Any
 import numpy as np
 
 from configs import ModelConfig, UserError
-from trainer.checkpoint import latest_stored_params
-from trainer.hf_config import check_exportable, hf_config_from_model
-from trainer.hf_tensors import hf_names, tensor_specs
-from trainer.model import param_count
-from trainer.param_reader import PARAMS_DIR, ReadOnce, abstract_params, check_shapes
-from trainer.param_writer import lazy_copies, save_lazy_params
-from trainer.safetensors_io import Entry, write_shards
-from trainer.tokenizer import FILES as TOKENIZER_FILES
-from trainer.tokenizer import SPECIAL_TOKENS
+from trainer.train.checkpoint import latest_stored_params
+from trainer.hf.config import check_exportable, hf_config_from_model
+from trainer.hf.tensors import hf_names, tensor_specs
+from trainer.model.decoder import param_count
+from trainer.params.reader import PARAMS_DIR, ReadOnce, abstract_params, check_shapes
+from trainer.params.writer import lazy_copies, save_lazy_params
+from trainer.hf.safetensors_io import Entry, write_shards
+from trainer.hf.tokenizer import FILES as TOKENIZER_FILES
+from trainer.hf.tokenizer import SPECIAL_TOKENS
 
 Log = Callable[[str], None]
 

@@ -14,8 +14,8 @@ import optax
 from tensorboardX import SummaryWriter
 
 from configs import ModelConfig, TrainSettings, UserError
-from trainer.data import shard_paths
-from trainer.loss import validation_loss
+from trainer.train.data import shard_paths
+from trainer.train.loss import validation_loss
 
 
 class MetricsLog:

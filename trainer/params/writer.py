@@ -31,8 +31,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts  # orbax-checkpoint's own storage layer
 
-from trainer import scan_layers
-from trainer.param_reader import PARAMS_DIR, ReadOnce, ReadOnceLayer
+from trainer.params import scan_layers
+from trainer.params.reader import PARAMS_DIR, ReadOnce, ReadOnceLayer
 
 Log = Callable[[str], None]
 
@@ -331,7 +331,7 @@ class _Without(logging.Filter):
 
 def lazy_copies(tree: Any, dtype: str = "", unscanned: bool = False, part_bytes: int = 16 << 20) -> Any:
     """LazyParams that copy a param tree (of StoredArrays, say) in `dtype` ("" keeps theirs) when saved,
-    unscanned if asked (trainer/scan_layers.py), in parts of whole rows of at most `part_bytes`.
+    unscanned if asked (trainer/params/scan_layers.py), in parts of whole rows of at most `part_bytes`.
 
     Each array is read whole, once, and let go when its last part is written: a checkpoint's chunks are
     its shards, not its layers, so reading a layer at a time would read the chunk around it again for

@@ -17,19 +17,23 @@ import optax
 import flax.linen as nn
 
 from configs import ModelConfig, TrainConfig, TrainSettings, UserError
-from trainer import attention, checkpoint, metrics, moe, param_reader
-from trainer.accelerators import memory_of
-from trainer.data import format_of, sequence_length, shard_paths, train_iterator
-from trainer.goodput import GOODPUT_FILE, Goodput
-from trainer.hlo import HLO_DIR, describe_memory, dump, memory_report
-from trainer.loss import token_loss
-from trainer.model import Transformer, param_count
-from trainer.optimizer import learning_rate_schedule, make_optimizer
-from trainer.quantization import check_quantization, quantize
-from trainer.run_log import MetricsLog, Profile, StepLog, Validation
-from trainer.sharding import BATCH_AXES, RULES, batch_sharding, logical_shardings, make_mesh, replicated
-from trainer.topology import slice_devices
-from trainer.watchdog import Watchdog
+from trainer.model import kernels as attention
+from trainer.train import checkpoint
+from trainer.train import metrics
+from trainer.model import routing as moe
+from trainer.params import reader as param_reader
+from trainer.train.accelerators import memory_of
+from trainer.train.data import format_of, sequence_length, shard_paths, train_iterator
+from trainer.train.goodput import GOODPUT_FILE, Goodput
+from trainer.train.hlo import HLO_DIR, describe_memory, dump, memory_report
+from trainer.train.loss import token_loss
+from trainer.model.decoder import Transformer, param_count
+from trainer.train.optimizer import learning_rate_schedule, make_optimizer
+from trainer.model.quantization import check_quantization, quantize
+from trainer.train.run_log import MetricsLog, Profile, StepLog, Validation
+from trainer.model.sharding import BATCH_AXES, RULES, batch_sharding, logical_shardings, make_mesh, replicated
+from trainer.train.topology import slice_devices
+from trainer.train.watchdog import Watchdog
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -253,7 +257,7 @@ def train(
     """Train to `train_cfg.steps`, resuming from the newest checkpoint in `run_dir`; returns summary stats.
 
     `train_cfg` is read for the fields that change the result only; checkpointing, logging, validation,
-    profiling and hang detection follow `settings`. In a multi-process run (see trainer.distributed) every
+    profiling and hang detection follow `settings`. In a multi-process run (see trainer.train.distributed) every
     process calls this; each reads its share of the data and only process 0 writes metrics. The run's wall
     time since `started` (time.time() of the process start; None = now) is accounted in goodput.json.
     """

@@ -19,8 +19,8 @@ import numpy as np
 import optax
 
 from configs import ModelConfig, UserError
-from trainer.model import Transformer
-from trainer.tokenizer import Tokenizer
+from trainer.model.decoder import Transformer
+from trainer.hf.tokenizer import Tokenizer
 
 Array = jax.Array
 

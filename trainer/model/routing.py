@@ -83,7 +83,7 @@ def dropless(
 def combine(y: Array, weights: Array) -> Array:
     """Each token's k expert outputs y [..., k, D] weighted by weights [..., k] and summed, in float32 -> [..., D].
 
-    A multiply and a sum, not an einsum: quantized training (trainer/quantization.py) rewrites the matmuls of the
+    A multiply and a sum, not an einsum: quantized training (trainer/model/quantization.py) rewrites the matmuls of the
     MoE layer, and this k-term weighted sum is no projection to quantize.
     """
     return jnp.sum(y.astype(jnp.float32) * weights[..., None].astype(jnp.float32), axis=-2).astype(y.dtype)
