@@ -47,7 +47,8 @@ def _config(emb: int, layers: int, dtype: str):
 def write_checkpoint(path: Path, emb: int, layers: int, dtype: str, shards: int = 4) -> int:
     """A random HF Llama checkpoint in `shards` safetensors files with an index; returns its data bytes."""
     from trainer.hf.config import hf_config_from_model
-    from trainer.hf.tensors import hf_names, tensor_specs
+    from trainer.hf.tensor_spec import hf_names
+    from trainer.hf.tensors import tensor_specs
     from trainer.hf.safetensors_io import write_safetensors
 
     cfg = _config(emb, layers, dtype)

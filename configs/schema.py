@@ -37,28 +37,45 @@ class ModelConfig(_Section):
     init_std: PosFloat
     dtype: Dtype
     param_dtype: Dtype
-    family: Literal["llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
-    activation: Literal["silu", "gelu_tanh"]
+    family: Literal["llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "qwen3_moe", "gpt_oss", "gemma4"]
+    activation: Literal["silu", "gelu_tanh", "silu_clamped"]
+    activation_limit: PosFloat
     norm_plus_one: bool
     scale_embeddings: bool
     qk_norm: bool
+    v_norm: bool
+    attention_bias: bool
+    attention_sinks: bool
+    global_head_dim: NonNegInt
+    global_num_kv_heads: NonNegInt
+    global_k_eq_v: bool
     post_norms: bool
+    layer_scalar: bool
     query_pre_attn_scalar: NonNegFloat
     attn_softcap: NonNegFloat
     final_softcap: NonNegFloat
     sliding_window: NonNegInt
     global_every: NonNegInt
     rope_local_theta: NonNegFloat
-    rope_scaling: Literal["none", "linear", "llama3"]
+    rope_scaling: Literal["none", "linear", "llama3", "yarn", "proportional"]
     rope_factor: PosFloat
     rope_low_freq_factor: PosFloat
     rope_high_freq_factor: PosFloat
     rope_original_max_len: PosInt
+    rope_beta_fast: PosFloat
+    rope_beta_slow: PosFloat
+    rope_truncate: bool
+    rope_attention_factor: NonNegFloat
+    rope_fraction: Annotated[float, Field(gt=0, le=1)]
     attention: Literal["auto", "xla", "cudnn", "splash"]
     num_experts: NonNegInt
     experts_per_token: PosInt
     expert_mlp_dim: NonNegInt
     router_renormalize: bool
+    router: Literal["softmax", "gemma4"]
+    router_bias: bool
+    expert_bias: bool
+    moe_dense_mlp: bool
     load_balance_weight: NonNegFloat
     capacity_factor: NonNegFloat
     moe_every: PosInt
@@ -79,8 +96,12 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads ({self.num_kv_heads})"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"model.head_dim ({self.head_dim}) must be even for RoPE")
+        if self.head_dim % 2 or self.global_head_dim % 2:
+            raise ValueError(f"model.head_dim ({self.head_dim}) and model.global_head_dim ({self.global_head_dim}) "
+                             "must be even for RoPE")
+        if self.global_num_kv_heads and self.num_heads % self.global_num_kv_heads:
+            raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of model.global_num_kv_heads "
+                             f"({self.global_num_kv_heads})")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor for llama3 RoPE scaling")
         if self.moe and self.experts_per_token > self.num_experts:

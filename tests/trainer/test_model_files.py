@@ -19,7 +19,7 @@ import pytest
 
 from configs import load_config
 from trainer.hf.config import check_hf_config, model_config_from_hf
-from trainer.model.decoder import layer_is_global
+from trainer.model.layers import layer_is_global
 
 # Copies of the hub config.json files. Python literals (null -> None); key order as on the hub.
 HUB: dict[str, dict] = {

@@ -1,4 +1,9 @@
-"""HF config.json <-> ModelConfig (Llama, Mistral, Qwen3, Gemma 1/2/3, Mixtral, Qwen3-MoE): reading, checking, writing."""
+"""HF config.json <-> ModelConfig: reading, checking, writing, for every family.
+
+The 2023-24 families (Llama, Mistral, Qwen3, Gemma 1/2/3, Mixtral, Qwen3-MoE: one decoder with switches) are
+tables here; each later family has an adapter module of its own (gpt_oss.py, gemma4.py) with the same three
+parts: FIXED (the features it fixes), config_fields (config.json -> our fields) and hf_config (ours -> config.json).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from configs import ModelConfig, UserError
-from trainer.model.decoder import layer_is_global
+from trainer.hf import gemma4, gpt_oss
+from trainer.hf.common import FEATURES_OFF, ROUTER_PLAIN, hf_base, hf_rope, layer_pattern, rope_fields
 from trainer.hf.safetensors_io import CheckpointDir
+from trainer.model.layers import layer_is_global
+
+ADAPTERS = {"gpt_oss": gpt_oss, "gemma4": gemma4}  # family -> its adapter module
 
 # model.family -> (HF architecture, HF model_type)
 FAMILIES = {
@@ -22,9 +31,10 @@ FAMILIES = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-}
+} | {family: (adapter.ARCHITECTURE, adapter.MODEL_TYPE) for family, adapter in ADAPTERS.items()}
 _MOE_FAMILIES = ("mixtral", "qwen3_moe")  # every layer's MLP a Mixture of Experts
 _PLAIN = dict(
+    FEATURES_OFF,
     activation="silu", norm_plus_one=False, scale_embeddings=False, qk_norm=False, post_norms=False,
     query_pre_attn_scalar=0.0, attn_softcap=0.0, final_softcap=0.0, sliding_window=0, global_every=0,
     rope_local_theta=0.0,
@@ -44,13 +54,13 @@ _DENSE: dict[str, dict[str, Any]] = {
 }
 # The model features each family fixes; the ones left out are read from (and written to) config.json.
 _FIXED = {family: fixed | {"num_experts": 0} for family, fixed in _DENSE.items()} | {
-    "mixtral": dict(_MISTRAL, router_renormalize=True, moe_every=1),  # Mixtral: every layer, renormalised
-    "qwen3_moe": dict(_PLAIN, qk_norm=True),
-}
+    "mixtral": _MISTRAL | ROUTER_PLAIN | dict(router_renormalize=True, moe_every=1),  # every layer, renormalised
+    "qwen3_moe": _PLAIN | ROUTER_PLAIN | dict(qk_norm=True),
+} | {family: adapter.FIXED for family, adapter in ADAPTERS.items()}
 # A dense model's MoE fields (base.yml's defaults).
-_NO_MOE = dict(num_experts=0, experts_per_token=2, expert_mlp_dim=0, router_renormalize=True, load_balance_weight=0.0,
-               capacity_factor=0.0, moe_every=1)
-_MOE_ONLY = ("experts_per_token", "expert_mlp_dim", "router_renormalize", "moe_every")  # what a dense model ignores
+_NO_MOE = ROUTER_PLAIN | dict(num_experts=0, experts_per_token=2, expert_mlp_dim=0, router_renormalize=True,
+               load_balance_weight=0.0, capacity_factor=0.0, moe_every=1)
+_MOE_ONLY = ("experts_per_token", "expert_mlp_dim", "router_renormalize", "moe_every", *ROUTER_PLAIN)  # dense ignores
 # ModelConfig field -> the HF config.json key it comes from (for error messages).
 _HF_KEYS = {
     "family": "model_type",
@@ -77,8 +87,6 @@ _HF_KEYS = {
 # Fields that do not change what the weights compute, so a checkpoint need not match them.
 _FREE_FIELDS = ("name", "max_seq_len", "init_std", "dtype", "param_dtype", "attention", "load_balance_weight",
                 "capacity_factor")
-_ROPE_DEFAULTS = dict(rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                      rope_original_max_len=8192)
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -94,34 +102,48 @@ def read_hf_config(hf_dir: str | Path) -> dict:
 
 def hf_family(hf: dict) -> str:
     """Our model.family for a HF config.json, from its model_type and architectures."""
+    hf = text_config(hf)
     model_type = hf.get("model_type", "llama")
     family = next((f for f, (_, mt) in FAMILIES.items() if mt == model_type), None)
+    family = family or next((f for f, a in ADAPTERS.items() if model_type in a.MODEL_TYPES), None)
     archs = hf.get("architectures") or []
-    if family is None or any(a != FAMILIES[family][0] for a in archs):
+    known = ADAPTERS[family].ARCHITECTURES if family in ADAPTERS else (FAMILIES[family][0],) if family else ()
+    if family is None or any(a not in known for a in archs):
         what = ", ".join(archs) or f"model_type {model_type!r}"
         known = ", ".join(arch for arch, _ in FAMILIES.values())
         raise UserError(f"HF checkpoint is {what}; maxpipe converts {known}")
     return family
 
 
+def text_config(hf: dict) -> dict:
+    """The language model's config of a HF config.json: a multimodal wrapper's text_config (Gemma 4), else itself."""
+    family = next((f for f, a in ADAPTERS.items() if hf.get("model_type") in a.WRAPPER_TYPES), None)
+    return ADAPTERS[family].unwrap(hf) if family else hf
+
+
 def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     """Our ModelConfig for a HF config.json of a supported family (float32 compute and weights)."""
     family = hf_family(hf)
-    _check_supported(hf, family)
+    _check_quantization(hf, family)
+    hf = text_config(hf)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in hf:
             raise UserError(f"HF config lacks {key!r}")
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    sliding_window, global_every = _layer_pattern(hf, family)
+    if family in ADAPTERS:
+        features = ADAPTERS[family].config_fields(hf) | _FIXED[family]
+    else:
+        _check_supported(hf, family)
+        sliding_window, global_every = _layer_pattern(hf, family)
+        features = dict(
+            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
+            attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+            sliding_window=sliding_window,
+            global_every=global_every,
+            rope_local_theta=0.0,
+        ) | _FIXED[family] | _rope_fields(hf, family) | _moe_fields(hf, family)
     gemma = family.startswith("gemma")
-    features = dict(
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
-        attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
-        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
-        sliding_window=sliding_window,
-        global_every=global_every,
-        rope_local_theta=0.0,
-    ) | _FIXED[family] | _rope_fields(hf, family) | _moe_fields(hf, family)
     try:
         return ModelConfig(
             name=name,
@@ -164,6 +186,15 @@ def check_hf_config(hf: dict, cfg: ModelConfig) -> None:
             raise UserError(f"HF checkpoint does not fit the model config: model.{field} is {a!r} but {where} gives {b!r}")
 
 
+def _check_quantization(hf: dict, family: str) -> None:
+    """Refuse a quantized checkpoint whose format ingest cannot dequantize."""
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    readable = ADAPTERS[family].QUANTIZATIONS if family in ADAPTERS else ()
+    if method and method not in readable:
+        can = f"maxpipe reads {', '.join(readable)} for {family}" if readable else f"maxpipe reads {family} unquantized"
+        raise UserError(f"HF checkpoint is quantized with {method!r} (quantization_config); {can}")
+
+
 def _check_supported(hf: dict, family: str) -> None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if family.startswith("gemma") else "silu")
     ok = ("gelu_pytorch_tanh", "gelu_tanh", "gelu") if family.startswith("gemma") else ("silu", "swish")
@@ -196,13 +227,7 @@ def _layer_pattern(hf: dict, family: str) -> tuple[int, int]:
     if types is None:
         every = {"mistral": 0, "mixtral": 0, "gemma2": 2}.get(family, hf.get("sliding_window_pattern", 6))
         types = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
-    is_global = [t == "full_attention" for t in types]
-    if all(is_global):
-        return 0, 0
-    every = is_global.index(True) + 1 if any(is_global) else 0
-    if is_global != [bool(every) and (i + 1) % every == 0 for i in range(n)] or len(types) != n:
-        raise UserError(f"HF config has layer_types {types}; maxpipe supports every Nth layer global, the rest sliding")
-    return window, every
+    return layer_pattern(types, n, window)
 
 
 def _rope_fields(hf: dict, family: str) -> dict:
@@ -222,23 +247,10 @@ def _rope_fields(hf: dict, family: str) -> dict:
             raise UserError(f"HF config has per-layer rope_parameters {params}; maxpipe supports one RoPE for {family}")
         default = 1e6 if family == "mixtral" else 10000.0  # transformers' default base
         glob = {"rope_theta": hf.get("rope_theta", default), **(hf.get("rope_scaling") or {}), **params}
-    rope_type = glob.get("rope_type", glob.get("type", "default"))
     rotary = glob.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if rotary != 1.0:
         raise UserError(f"HF config sets partial_rotary_factor {rotary}; maxpipe rotates the whole head")
-    fields["rope_theta"] = float(glob.get("rope_theta", 10000.0))
-    if rope_type == "default":
-        return fields | _ROPE_DEFAULTS
-    if rope_type == "linear":
-        return fields | _ROPE_DEFAULTS | {"rope_scaling": "linear", "rope_factor": float(glob["factor"])}
-    if rope_type == "llama3":
-        return fields | {
-            "rope_scaling": "llama3", "rope_factor": float(glob["factor"]),
-            "rope_low_freq_factor": float(glob["low_freq_factor"]),
-            "rope_high_freq_factor": float(glob["high_freq_factor"]),
-            "rope_original_max_len": int(glob["original_max_position_embeddings"]),
-        }
-    raise UserError(f"HF config uses RoPE type {rope_type!r} ({glob}); maxpipe supports default, linear and llama3")
+    return fields | rope_fields(glob, ("default", "linear", "llama3"))
 
 
 def _moe_fields(hf: dict, family: str) -> dict:
@@ -270,6 +282,8 @@ def check_exportable(cfg: ModelConfig) -> None:
             f"model.family mixtral has experts model.mlp_dim wide (HF intermediate_size), but model.expert_mlp_dim is "
             f"{cfg.expert_mlp_dim}: set it to 0"
         )
+    if cfg.family in ADAPTERS:
+        ADAPTERS[cfg.family].check_exportable(cfg)
     for field, value in _FIXED[cfg.family].items():
         if getattr(cfg, field) != value:
             raise UserError(
@@ -280,35 +294,11 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 def hf_config_from_model(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> dict:
     """The config.json of a HF model of model.family's architecture for `cfg`, with the tokenizer's BOS and EOS ids."""
-    arch, model_type = FAMILIES[cfg.family]
-    config: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.emb_dim,
-        "intermediate_size": cfg.mlp_dim,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu" if cfg.activation == "silu" else "gelu_pytorch_tanh",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": cfg.init_std,
-        "use_cache": True,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        # transformers 5 reads dtype, 4.x reads torch_dtype.
-        "dtype": cfg.param_dtype,
-        "torch_dtype": cfg.param_dtype,
-    }
+    if cfg.family in ADAPTERS:
+        return ADAPTERS[cfg.family].hf_config(cfg, bos_id, eos_id)
+    config = hf_base(cfg, *FAMILIES[cfg.family], bos_id, eos_id)
     # transformers 5 reads rope_parameters, 4.x reads rope_theta and rope_scaling.
-    rope = _hf_rope(cfg)
+    rope = hf_rope(cfg)
     config["rope_theta"] = cfg.rope_theta
     if rope["rope_type"] != "default":
         config["rope_scaling"] = rope
@@ -340,15 +330,3 @@ def hf_config_from_model(cfg: ModelConfig, bos_id: int | None, eos_id: int | Non
         config.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.expert_width,
                       norm_topk_prob=cfg.router_renormalize, decoder_sparse_step=cfg.moe_every, mlp_only_layers=[])
     return config
-
-
-def _hf_rope(cfg: ModelConfig) -> dict:
-    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
-                            "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling != "none":
-        rope["factor"] = cfg.rope_factor
-    if cfg.rope_scaling == "llama3":
-        rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
-                    original_max_position_embeddings=cfg.rope_original_max_len)
-    return rope
-

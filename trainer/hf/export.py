@@ -19,7 +19,8 @@ import numpy as np
 from configs import ModelConfig, UserError
 from trainer.train.checkpoint import latest_stored_params
 from trainer.hf.config import check_exportable, hf_config_from_model
-from trainer.hf.tensors import hf_names, tensor_specs
+from trainer.hf.tensor_spec import hf_names
+from trainer.hf.tensors import tensor_specs
 from trainer.model.decoder import param_count
 from trainer.params.reader import PARAMS_DIR, ReadOnce, abstract_params, check_shapes
 from trainer.params.writer import lazy_copies, save_lazy_params
@@ -89,25 +90,38 @@ def export_hf(params: Any, cfg: ModelConfig, tokenizer_dir: str | Path | None, o
 
 def _export_entries(params: Any, cfg: ModelConfig) -> list[Entry]:
     """(HF name, HF shape, fetch) per tensor, in the order they are written; one parameter is on host at a time."""
-    entries = []
-    for spec in tensor_specs(cfg):
-        leaf = params
-        for key in spec.path:
-            leaf = leaf[key]
+    entries, specs = [], tensor_specs(cfg)
+    parts: dict[tuple, list] = {}  # a HF tensor holding several parameters: its specs (see TensorSpec.join)
+    for spec in specs:
+        if spec.join is not None:
+            parts.setdefault((spec.hf_name, spec.layers), []).append(spec)
+    for spec in specs:
+        group = parts.get((spec.hf_name, spec.layers), [spec]) if spec.join is not None else [spec]
+        if group[0] is not spec:
+            continue  # written with the first of its parts
         names = hf_names(spec, cfg)
-        once = ReadOnce(leaf, len(names))
+        reads = [ReadOnce(_leaf(params, part.path), len(names)) for part in group]
         per_layer = cfg.num_experts if spec.experts else 1  # experts are written one tensor each, layer by layer
         for i, name in enumerate(names):
             layer = i // per_layer if spec.stacked else None
             expert = i % per_layer if spec.experts else None
-            entries.append((name, spec.hf_shape, partial(_fetch, once, layer, expert, spec.to_hf)))
+            entries.append((name, spec.hf_shape, partial(_fetch, reads, layer, expert, spec.to_hf, spec.join)))
     return entries
 
 
+def _leaf(params: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        params = params[key]
+    return params
+
+
 def _fetch(
-    once: ReadOnce, layer: int | None, expert: int | None, to_hf: Callable[[np.ndarray], np.ndarray]
+    reads: list[ReadOnce], layer: int | None, expert: int | None, to_hf: Callable[[np.ndarray], np.ndarray],
+    join: Callable[[list[np.ndarray]], np.ndarray] | None,
 ) -> np.ndarray:
-    return to_hf(once.read(layer, expert))
+    if join is not None:
+        return join([once.read(layer, expert) for once in reads])
+    return to_hf(reads[0].read(layer, expert))
 
 
 def _export_tokenizer(tokenizer_dir: Path, dest: Path, cfg: ModelConfig) -> dict:

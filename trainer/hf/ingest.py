@@ -3,7 +3,9 @@
 Each tensor is read through fsspec (the source may be any URL) straight into its slot of the stacked
 output, or through a small block buffer when it is transposed or cast; ingest converts a layer (with all
 its experts in a Mixture of Experts) or a block of vocabulary rows at a time, two at once, and writes each
-as soon as it is converted, so it holds four such parts at a time.
+as soon as it is converted, so it holds four such parts at a time. A layer's tensor of all experts (GPT-OSS,
+Gemma 4) is read whole and converted in memory, dequantized first when the hub stores it in MXFP4.
+A hub file's language model may sit under `model.language_model.` (Gemma 4) or transformers' `model.`: either is read.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from configs import ModelConfig, UserError
-from trainer.hf.config import check_hf_config, read_hf_config
-from trainer.hf.tensors import (
-    TensorSpec, hf_names, in_memory, is_transposed, stacked_layers, stacked_shape, tensor_specs,
-)
+from trainer.hf import mxfp4
+from trainer.hf.config import ADAPTERS, check_hf_config, read_hf_config, text_config
+from trainer.hf.tensor_spec import TensorSpec, hf_names, in_memory, is_transposed, stacked_layers, stacked_shape
+from trainer.hf.tensors import tensor_specs
 from trainer.params.writer import LazyParam, save_lazy_params, split
 from trainer.hf.safetensors_io import CheckpointDir, as_bits, open_checkpoint
 
@@ -34,6 +36,8 @@ _SUMMARY_KEYS = (  # the HF config.json keys ingest reports
     "rope_theta", "rope_parameters", "rope_scaling", "sliding_window", "layer_types", "tie_word_embeddings",
     "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "router_aux_loss_coef", "bos_token_id", "eos_token_id", "dtype", "torch_dtype", "transformers_version",
+    "quantization_config", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "enable_moe_block",
+    "top_k_experts", "final_logit_softcapping", "swiglu_limit",
 )
 _BLOCK_BYTES = 8 << 20  # how much of a tensor is read at once when it must be converted on the way
 _SPLIT_BYTES = 1 << 20  # a stacked parameter whose layers are this big is converted and written layer by layer
@@ -60,21 +64,29 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
     """Check the checkpoint's tensor names and shapes; return fill(spec, out, k=0, parts=1), converting one parameter."""
     files = open_checkpoint(CheckpointDir(hf_dir), allow_pickle)
     dtype = np.dtype(cfg.param_dtype)
+    ignored = ADAPTERS[cfg.family].IGNORED if cfg.family in ADAPTERS else ()
 
     def locate(spec: TensorSpec, index: int, name: str) -> tuple[str, tuple[int, ...], int]:
         """(The checkpoint's tensor holding HF tensor `name`, that tensor's expected shape, the first row there):
-        the tensor itself or, when the checkpoint has transformers' in-memory names, the one it is part of."""
+        the tensor itself or, when the checkpoint has transformers' in-memory names, the one it is part of; its
+        MXFP4 blocks when quantized."""
+        if name not in files and name.startswith(_HUB_PREFIX) and _text_name(name) in files:
+            name = _text_name(name)
         if name not in files and spec.memory_name:
             memory = in_memory(spec, cfg, index)
             if memory[0] in files:
                 return memory
+        if name not in files and name + mxfp4.BLOCKS in files:
+            return name + mxfp4.BLOCKS, mxfp4.blocks_shape(spec.hf_shape), 0
         return name, spec.hf_shape, 0
 
     where = {name: locate(spec, i, name) for spec in tensor_specs(cfg) for i, name in enumerate(hf_names(spec, cfg))}
     expected = {tensor for tensor, _, _ in where.values()}
+    expected |= {t.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES for t in expected if t.endswith(mxfp4.BLOCKS)}
     if cfg.tie_embeddings:
         expected.add("lm_head.weight")  # HF ignores it too when the embeddings are tied
-    extra = sorted(n for n in files if n not in expected and not n.endswith("rotary_emb.inv_freq"))
+    extra = sorted(n for n in files if n not in expected and not n.endswith("rotary_emb.inv_freq")
+                   and not n.startswith(ignored))
     if extra:
         raise UserError(
             f"HF checkpoint does not fit the model config: it has tensor {extra[0]} "
@@ -92,7 +104,26 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
                     f"HF checkpoint does not fit the model config: parameter {tensor} is {shape} "
                     f"in the checkpoint but {expected_shape} in the model"
                 )
+            if tensor.endswith(mxfp4.BLOCKS):
+                scales = tensor.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES
+                if scales not in files or tuple(files[scales].tensors[scales]["shape"]) != expected_shape[:-1]:
+                    raise UserError(f"HF checkpoint has MXFP4 {tensor} {expected_shape} without {scales} "
+                                    f"{expected_shape[:-1]}")
     local = threading.local()  # a read buffer per thread: parts are converted in parallel
+
+    def read(tensor: str, packed: bool = False) -> np.ndarray:
+        file = files[tensor]
+        out = np.empty(file.tensors[tensor]["shape"], file.dtype(tensor, packed=True) if packed else file.dtype(tensor))
+        file.read_into(tensor, out.reshape(out.shape[0] if out.ndim else 1, -1))
+        return out
+
+    def whole(spec: TensorSpec, name: str) -> np.ndarray:
+        """HF tensor `name` read whole, in its in-memory layout (hf_shape), dequantized when stored as MXFP4."""
+        tensor, _, _ = where[name]
+        if not tensor.endswith(mxfp4.BLOCKS):
+            return read(tensor)
+        scales = read(tensor.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES, packed=True)
+        return mxfp4.dequantize(read(tensor, packed=True), scales, dtype).swapaxes(-1, -2)
 
     def copy(spec: TensorSpec, name: str, out: np.ndarray, first: int = 0, count: int | None = None) -> None:
         """out[...] = to_ours(rows first.. first+count of the tensor, default all), reading them once."""
@@ -129,6 +160,11 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
     def fill(spec: TensorSpec, out: np.ndarray, k: int = 0, parts: int = 1) -> None:
         """Convert part k of `parts` of the parameter into `out`: all of it, layer k, or block k of the tensor's rows."""
         names = hf_names(spec, cfg)
+        if spec.whole:  # the layer's tensor of all experts: read it whole, convert in memory
+            layers = range(len(names)) if parts == 1 else [k]
+            for j, layer in enumerate(layers):
+                out[j] = spec.to_ours(whole(spec, names[layer]))
+            return
         if not spec.stacked:
             n = spec.hf_shape[0] // parts
             copy(spec, names[0], out, k * n, n)
@@ -139,6 +175,14 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
                 copy(spec, names[layer * per_layer + e], out[j, e] if spec.experts else out[j])
 
     return fill
+
+
+_HUB_PREFIX = "model.language_model."  # the language model of a multimodal hub checkpoint (Gemma 4)
+
+
+def _text_name(name: str) -> str:
+    """A hub name under model.language_model. as transformers' text model has it, under model."""
+    return "model." + name.removeprefix(_HUB_PREFIX)
 
 
 def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -209,6 +253,7 @@ def ingest(hf_dir: str | Path, out_dir: str | Path, cfg: ModelConfig, log: Log =
         "source": str(hf_dir),
         "family": cfg.family,
         "parameters": n,
-        "hf_config": {k: hf[k] for k in _SUMMARY_KEYS if k in hf},
+        "hf_config": {k: text_config(hf)[k] for k in _SUMMARY_KEYS if k in text_config(hf)}
+        | ({"quantization_config": hf["quantization_config"]} if "quantization_config" in hf else {}),
         "dtype": cfg.param_dtype,
     }

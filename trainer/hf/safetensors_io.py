@@ -28,6 +28,7 @@ Entry = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _ST_TO_NP = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
+_ST_PACKED = {"U8": "uint8"}  # quantized hub weights (MXFP4 blocks and scales)
 
 
 class CheckpointDir:
@@ -82,18 +83,20 @@ class SafetensorsFile:
         self.lock = threading.Lock()  # one seek and read at a time: parts are converted in parallel
         self.tensors: dict[str, dict] = {k: v for k, v in header.items() if k != "__metadata__"}
 
-    def dtype(self, name: str) -> np.dtype:
+    def dtype(self, name: str, packed: bool = False) -> np.dtype:
+        """The tensor's dtype: a float dtype, or with `packed` also uint8 (quantized weights' blocks and scales)."""
         info = self.tensors[name]
-        if info["dtype"] not in _ST_TO_NP:
+        known = _ST_TO_NP | (_ST_PACKED if packed else {})
+        if info["dtype"] not in known:
             raise UserError(f"{self.shown}: tensor {name} has dtype {info['dtype']}; expected a float dtype")
-        return np.dtype(_ST_TO_NP[info["dtype"]])
+        return np.dtype(known[info["dtype"]])
 
     def _offset(self, name: str, row: int, row_size: int) -> int:
         """Where row `row` of the tensor, in rows of `row_size` elements, starts in the file (checking the tensor lies
         within it)."""
         info = self.tensors[name]
         begin, end = info["data_offsets"]
-        itemsize = self.dtype(name).itemsize
+        itemsize = self.dtype(name, packed=True).itemsize
         if (end - begin) != math.prod(info["shape"]) * itemsize or self.data_start + end > self.size:
             raise UserError(f"{self.shown}: file is truncated or corrupt (tensor {name})")
         return self.data_start + begin + row * row_size * itemsize

@@ -2,7 +2,8 @@
 
 Every kernel computes the same function: causal grouped-query attention over [batch, seq, heads, head_dim],
 optionally limited to a sliding window of the latest `window` tokens and to the query's own document
-(segment ids), with the scores scaled and optionally soft-capped (cap * tanh(score / cap)). `choose` picks the
+(segment ids), with the scores scaled and optionally soft-capped (cap * tanh(score / cap)), and optionally a
+learned sink logit per head joining every softmax row (GPT-OSS; it takes probability and gives no value). `choose` picks the
 kernel for a model config and the devices it runs on; where a kernel cannot compute what the config asks, it
 picks XLA and says why, so a run never gets a silently different result.
 """
@@ -47,9 +48,13 @@ def _cudnn_limits(cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: in
         return f"cuDNN flash attention computes in bfloat16 or float16, and model.dtype is {cfg.dtype}"
     if cfg.attn_softcap:
         return f"cuDNN flash attention cannot soft-cap scores (model.attn_softcap={cfg.attn_softcap:g})"
-    if cfg.head_dim % 8 or cfg.head_dim > max_dim:
-        return (f"cuDNN flash attention on {device.device_kind} takes head_dim <= {max_dim}, a multiple of 8 "
-                f"(model.head_dim={cfg.head_dim})")
+    if cfg.attention_sinks:
+        return "jax.nn.dot_product_attention's cuDNN path has no attention sinks (model.attention_sinks)"
+    for name in ("head_dim", "global_head_dim"):
+        dim = getattr(cfg, name)
+        if dim and (dim % 8 or dim > max_dim):
+            return (f"cuDNN flash attention on {device.device_kind} takes head_dim <= {max_dim}, a multiple of 8 "
+                    f"(model.{name}={dim})")
     return ""
 
 
@@ -57,32 +62,43 @@ def _splash_limits(cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: i
     """Why the splash kernel cannot run this model; "" if it can."""
     if seq_len % SPLASH_BLOCKS[-1]:
         return f"splash attention tiles sequences by {SPLASH_BLOCKS[-1]} tokens and they are {seq_len}"
-    if cfg.num_kv_heads % tensor:
-        return (f"splash attention runs per device and the {cfg.num_kv_heads} kv heads do not split over "
-                f"train.mesh tensor={tensor}")
+    for name in ("num_kv_heads", "global_num_kv_heads"):
+        heads = getattr(cfg, name)
+        if heads and heads % tensor:
+            return (f"splash attention runs per device and the {heads} kv heads do not split over "
+                    f"train.mesh tensor={tensor}")
     return ""
 
 
-def xla_attention(q: Array, k: Array, v: Array, mask: Array | None, causal: bool, scale: float, softcap: float) -> Array:
-    """XLA's attention, scores materialised; `mask` is a dense [batch, 1, q, k] mask (None: none beyond `causal`)."""
-    if not softcap:  # jax.nn's XLA path groups the kv heads itself
+def xla_attention(
+    q: Array, k: Array, v: Array, mask: Array | None, causal: bool, scale: float, softcap: float,
+    sinks: Array | None = None,
+) -> Array:
+    """XLA's attention, scores materialised; `mask` is a dense [batch, 1, q, k] mask (None: none beyond `causal`),
+    `sinks` [heads] a logit per head joining each softmax row (None: none)."""
+    if not softcap and sinks is None:  # jax.nn's XLA path groups the kv heads itself
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale, implementation="xla")
     b, t, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    scores = softcap * jnp.tanh(scores / softcap)
+    if softcap:
+        scores = softcap * jnp.tanh(scores / softcap)
     if causal:
         mask = jnp.tril(jnp.ones((t, k.shape[1]), bool))[None, None] & (True if mask is None else mask)
     if mask is not None:
         scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is not None:  # the sink's column takes its share of each row's softmax, then is dropped
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, h // kv, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
 
 
 def flash_attention(
     kernel: str, q: Array, k: Array, v: Array, segment_ids: Array | None, *,
-    scale: float, softcap: float, window: int, mesh: Mesh | None = None,
+    scale: float, softcap: float, window: int, sinks: Array | None = None, mesh: Mesh | None = None,
 ) -> Array:
     """Causal attention of a training forward pass through cuDNN or splash; `window` 0 means the whole context.
 
@@ -91,20 +107,27 @@ def flash_attention(
     interpreter (tests).
     """
     if kernel == "cudnn":
+        if sinks is not None:
+            raise ValueError("cuDNN flash attention has no attention sinks (kernels.choose picks XLA for them)")
         return _cudnn(q, k, v, segment_ids, scale, window)
     if kernel != "splash":
         raise ValueError(f"flash_attention runs cudnn or splash, not {kernel!r}")
-    if mesh is None or mesh.size == 1:
-        return _splash(q, k, v, segment_ids, scale, softcap, window, _platform(mesh) != "tpu")
-    heads, rows = PartitionSpec(BATCH_AXES, None, "tensor", None), PartitionSpec(BATCH_AXES, None)
     interpret = _platform(mesh) != "tpu"
-    if segment_ids is None:
-        per_device = lambda q, k, v: _splash(q, k, v, None, scale, softcap, window, interpret)  # noqa: E731
-        return jax.shard_map(per_device, mesh=mesh, in_specs=(heads,) * 3, out_specs=heads, check_vma=False)(q, k, v)
-    per_device = lambda q, k, v, s: _splash(q, k, v, s, scale, softcap, window, interpret)  # noqa: E731
-    return jax.shard_map(
-        per_device, mesh=mesh, in_specs=(heads,) * 3 + (rows,), out_specs=heads, check_vma=False
-    )(q, k, v, segment_ids)
+    if mesh is None or mesh.size == 1:
+        return _splash(q, k, v, segment_ids, sinks, scale, softcap, window, interpret)
+    heads, rows = PartitionSpec(BATCH_AXES, None, "tensor", None), PartitionSpec(BATCH_AXES, None)
+    operands, specs = [q, k, v], [heads] * 3
+    if segment_ids is not None:
+        operands, specs = operands + [segment_ids], specs + [rows]
+    if sinks is not None:
+        operands, specs = operands + [sinks], specs + [PartitionSpec("tensor")]
+
+    def per_device(q: Array, k: Array, v: Array, *rest: Array) -> Array:
+        s = rest[0] if segment_ids is not None else None
+        sink = rest[-1] if sinks is not None else None
+        return _splash(q, k, v, s, sink, scale, softcap, window, interpret)
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False)(*operands)
 
 
 def _platform(mesh: Mesh | None) -> str:
@@ -121,7 +144,8 @@ def _cudnn(q: Array, k: Array, v: Array, segment_ids: Array | None, scale: float
 
 
 def _splash(
-    q: Array, k: Array, v: Array, segment_ids: Array | None, scale: float, softcap: float, window: int, interpret: bool
+    q: Array, k: Array, v: Array, segment_ids: Array | None, sinks: Array | None, scale: float, softcap: float,
+    window: int, interpret: bool,
 ) -> Array:
     """Splash attention on one device's [batch, seq, heads, head_dim] shard (the kernel takes heads first)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -142,7 +166,8 @@ def _splash(
     heads_first = lambda x: x.swapaxes(1, 2)  # noqa: E731
     q, k, v = heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v)
     if segment_ids is None:
-        out = jax.vmap(kernel)(q, k, v)
+        out = jax.vmap(lambda q, k, v: kernel(q, k, v, sinks=sinks))(q, k, v)
     else:
-        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(q, k, v, segment_ids)
+        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s), sinks=sinks))(
+            q, k, v, segment_ids)
     return heads_first(out)

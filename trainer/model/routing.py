@@ -1,7 +1,8 @@
 """Mixture-of-Experts routing: top-k choice of experts, the two ways of running them, the load-balancing loss.
 
-A router's softmax over all experts picks each token's k experts (Mixtral and Qwen3-MoE, as transformers
-computes them); the chosen weights are optionally renormalised to sum to 1. The experts then run either
+A router's softmax over all experts picks each token's k experts (Mixtral, Qwen3-MoE, GPT-OSS, Gemma 4, as
+transformers computes them); the chosen weights are optionally renormalised to sum to 1 (which equals GPT-OSS's
+softmax over the top k logits). Experts are gated MLPs, optionally with biases (GPT-OSS). They then run either
 - dropless: every (token, expert) pair sorted by expert and run as one grouped matmul (`jax.lax.ragged_dot` on
   GPU and TPU; on CPU, where XLA computes ragged_dot as every group over all rows, tiles of one expert each), or
 - with a capacity: each sequence's pairs laid into [experts, capacity] slots, pairs past an expert's capacity
@@ -20,6 +21,8 @@ import jax.numpy as jnp
 
 Array = jax.Array
 Experts = tuple[Array, Array, Array]  # gate [E, D, F], up [E, D, F], down [E, F, D]
+Biases = tuple[Array, Array, Array]  # gate [E, F], up [E, F], down [E, D]
+Glu = Callable[[Array, Array], Array]  # (gate, up) -> hidden
 
 
 def route(logits: Array, k: int, renormalize: bool) -> tuple[Array, Array, Array]:
@@ -31,9 +34,16 @@ def route(logits: Array, k: int, renormalize: bool) -> tuple[Array, Array, Array
     return weights, experts, probs
 
 
-def _expert_mlp(x: Array, experts: Experts, act: Callable[[Array], Array], matmul: Callable) -> Array:
+def _expert_mlp(
+    x: Array, experts: Experts, act: Callable[[Array], Array], matmul: Callable, glu: Glu | None = None,
+    biases: Biases | None = None, bias_rows: Callable[[Array], Array] = lambda b: b,
+) -> Array:
+    """down(glu(gate(x), up(x))), glu defaulting to act(gate) * up; `bias_rows` lays an [E, F] bias out as the rows."""
     gate, up, down = experts
-    return matmul(act(matmul(x, gate)) * matmul(x, up), down)
+    add = (lambda h, b: h + bias_rows(b).astype(h.dtype)) if biases is not None else (lambda h, b: h)  # noqa: E731
+    bg, bu, bd = biases if biases is not None else (None,) * 3
+    glu = glu or (lambda g, u: act(g) * u)
+    return add(matmul(glu(add(matmul(x, gate), bg), add(matmul(x, up), bu)), down), bd)
 
 
 def grouped_matmul(x: Array, w: Array, sizes: Array, platform: str) -> Array:
@@ -67,6 +77,7 @@ def _tiled_matmul(x: Array, w: Array, sizes: Array, tile: int) -> Array:
 
 def dropless(
     x: Array, experts: Array, weights: Array, params: Experts, act: Callable[[Array], Array], platform: str = "",
+    glu: Glu | None = None, biases: Biases | None = None,
 ) -> Array:
     """Every token through its k experts: x [T, D], experts/weights [T, k] -> [T, D], on `platform` (default JAX's)."""
     tokens, k = experts.shape
@@ -75,7 +86,8 @@ def dropless(
     order = jnp.argsort(flat, stable=True)  # pairs grouped by expert, in token order within each
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     grouped = lambda a, w: grouped_matmul(a, w, sizes, platform or jax.default_backend())  # noqa: E731
-    y = _expert_mlp(jnp.take(x, order // k, axis=0), params, act, grouped)
+    rows = lambda b: jnp.take(b, flat[order], axis=0)  # noqa: E731  (each sorted pair's expert's bias)
+    y = _expert_mlp(jnp.take(x, order // k, axis=0), params, act, grouped, glu, biases, rows)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     return combine(jnp.take(y, inverse, axis=0).reshape(tokens, k, -1), weights)
 
@@ -108,7 +120,8 @@ def _slots(experts: Array, num_experts: int, slots: int) -> tuple[Array, Array]:
 
 def with_capacity(
     x: Array, experts: Array, weights: Array, params: Experts, act: Callable[[Array], Array], factor: float,
-    constrain: Callable[[Array, bool], Array] = lambda a, by_expert: a,
+    constrain: Callable[[Array, bool], Array] = lambda a, by_expert: a, glu: Glu | None = None,
+    biases: Biases | None = None,
 ) -> tuple[Array, Array]:
     """x [B, S, D], experts/weights [B, S, k] -> ([B, S, D], kept [B, S, k]).
 
@@ -128,7 +141,8 @@ def with_capacity(
     buffer = jnp.take_along_axis(padded, by_sequence(source)[:, :-1, None], axis=1, mode="promise_in_bounds")
     buffer = constrain(by_sequence(buffer.reshape(batch, num_experts, slots, -1)), True)
     batched = lambda a, w: jnp.einsum("becd,edf->becf", a, w)  # noqa: E731
-    y = by_sequence(constrain(_expert_mlp(buffer, params, act, batched), True))
+    slots_of = lambda b: b[None, :, None, :]  # noqa: E731  (an [E, F] bias over slots [B, E, C, F])
+    y = by_sequence(constrain(_expert_mlp(buffer, params, act, batched, glu, biases, slots_of), True))
     y = by_sequence(y.reshape(batch, num_experts * slots, -1))
     y = jnp.concatenate([y, jnp.zeros_like(y[:, :1])], axis=1)  # dropped pairs read the zero slot
     y = jnp.take_along_axis(y, by_sequence(slot)[..., None], axis=1, mode="promise_in_bounds")

@@ -17,21 +17,19 @@ import optax
 import flax.linen as nn
 
 from configs import ModelConfig, TrainConfig, TrainSettings, UserError
-from trainer.model import kernels as attention
-from trainer.train import checkpoint
-from trainer.train import metrics
-from trainer.model import routing as moe
+from trainer.model import kernels, routing
+from trainer.model.decoder import Transformer, param_count
+from trainer.model.quantization import check_quantization, quantize
+from trainer.model.sharding import BATCH_AXES, RULES, batch_sharding, logical_shardings, make_mesh, replicated
 from trainer.params import reader as param_reader
+from trainer.train import checkpoint, metrics
 from trainer.train.accelerators import memory_of
 from trainer.train.data import format_of, sequence_length, shard_paths, train_iterator
 from trainer.train.goodput import GOODPUT_FILE, Goodput
 from trainer.train.hlo import HLO_DIR, describe_memory, dump, memory_report
 from trainer.train.loss import token_loss
-from trainer.model.decoder import Transformer, param_count
 from trainer.train.optimizer import learning_rate_schedule, make_optimizer
-from trainer.model.quantization import check_quantization, quantize
 from trainer.train.run_log import MetricsLog, Profile, StepLog, Validation
-from trainer.model.sharding import BATCH_AXES, RULES, batch_sharding, logical_shardings, make_mesh, replicated
 from trainer.train.topology import slice_devices
 from trainer.train.watchdog import Watchdog
 
@@ -46,7 +44,7 @@ def make_model(
 ) -> Transformer:
     """The model as trained: the configured rematerialisation policy and quantization, and the attention kernel for
     the mesh's devices."""
-    kernel, why = attention.choose(model_cfg.attention, model_cfg, mesh.devices.flat[0], seq_len, mesh.shape["tensor"])
+    kernel, why = kernels.choose(model_cfg.attention, model_cfg, mesh.devices.flat[0], seq_len, mesh.shape["tensor"])
     log(f"attention: {kernel}" + (f" ({model_cfg.attention} falls back: {why})" if why else ""))
     warning = check_quantization(train_cfg.quantization, mesh.devices.flat[0])
     if warning:
@@ -112,7 +110,7 @@ def loss_and_grads(
         logits, state = model.apply({"params": p}, *inputs, mutable=["intermediates"])
         stats = state["intermediates"]["moe"][0]
         total, count = token_loss(logits, b["targets"], b["mask"])
-        balance = moe.load_balance_loss(stats) * count
+        balance = routing.load_balance_loss(stats) * count
         return total + cfg.load_balance_weight * balance, {
             "loss": total, "count": count, "load_balance_loss": balance, "expert_pairs": jnp.sum(stats["counts"], 0),
             "dropped": jnp.sum(stats["dropped"]),
