@@ -1,8 +1,10 @@
 """HF -> Orbax ingest: throughput against reading the same safetensors bytes, and peak RSS against model size.
 
-    python benchmarks/convert.py [--emb 768] [--layers 8] [--dtype bfloat16] [--repeat 3]
+    python benchmarks/convert.py [--family llama|gpt_oss] [--emb 768] [--layers 8] [--dtype bfloat16] [--repeat 3]
 
-Writes a random Llama-shaped safetensors checkpoint of a few hundred MB (sharded, with an index),
+Writes a random Llama-shaped safetensors checkpoint of a few hundred MB (sharded, with an index), or with
+--family gpt_oss a GPT-OSS-shaped one whose experts are MXFP4 as on the hub (so the model, dequantized, is ~3.5x
+the bytes read; "model size" below is always the converted model's),
 then, in the same run: (1) reads its bytes (the anchor), (2) converts it in a subprocess
 (`load_hf_params`, then the whole `ingest` with the Orbax write) and reads the child's peak RSS
 (VmHWM) above its own baseline after imports and JAX's start-up. Both are done twice: from disk
@@ -34,26 +36,35 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _config(emb: int, layers: int, dtype: str):
+def _config(family: str, emb: int, layers: int, dtype: str):
     from configs import load_config
 
-    return load_config("tiny", [
-        f"model.emb_dim={emb}", f"model.num_layers={layers}", f"model.num_heads={emb // 64}",
-        f"model.num_kv_heads={emb // 128}", "model.head_dim=64", f"model.mlp_dim={4 * emb}",
-        "model.vocab_size=32000", f"model.param_dtype={dtype}",
-    ]).model
+    sizes = [f"model.emb_dim={emb}", f"model.num_layers={layers}", f"model.num_heads={emb // 64}",
+             f"model.num_kv_heads={emb // 128}", "model.head_dim=64", "model.vocab_size=32000",
+             f"model.param_dtype={dtype}"]
+    if family == "gpt_oss":  # 8 experts of GPT-OSS's shape (expert width = emb), top-4
+        return load_config("tiny", ["model.name=tiny_gpt_oss", *sizes, f"model.mlp_dim={emb}",
+                                    "model.num_experts=8", "model.experts_per_token=4"]).model
+    return load_config("tiny", [*sizes, f"model.mlp_dim={4 * emb}"]).model
 
 
-def write_checkpoint(path: Path, emb: int, layers: int, dtype: str, shards: int = 4) -> int:
-    """A random HF Llama checkpoint in `shards` safetensors files with an index; returns its data bytes."""
+def write_checkpoint(path: Path, family: str, emb: int, layers: int, dtype: str, shards: int = 4) -> tuple[int, int]:
+    """A random HF checkpoint in `shards` safetensors files with an index (GPT-OSS: its experts in a fifth, MXFP4);
+    returns its data bytes and the converted model's."""
+    from safetensors.numpy import save_file
+
+    from trainer.hf import mxfp4
     from trainer.hf.config import hf_config_from_model
-    from trainer.hf.tensor_spec import hf_names
+    from trainer.hf.tensor_spec import hf_names, stacked_shape
     from trainer.hf.tensors import tensor_specs
     from trainer.hf.safetensors_io import write_safetensors
 
-    cfg = _config(emb, layers, dtype)
+    cfg = _config(family, emb, layers, dtype)
     rng = np.random.default_rng(0)
-    entries = [(name, spec.hf_shape) for spec in tensor_specs(cfg) for name in hf_names(spec, cfg)]
+    specs = tensor_specs(cfg)
+    entries = list({name: spec.hf_shape for spec in specs for name in hf_names(spec, cfg)}.items())
+    packed = [(n, s) for n, s in entries if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    entries = [e for e in entries if e not in packed]
     path.mkdir(parents=True)
     total, weight_map = 0, {}
     for k in range(shards):
@@ -62,10 +73,23 @@ def write_checkpoint(path: Path, emb: int, layers: int, dtype: str, shards: int 
         fetch = lambda shape: lambda: rng.standard_normal(shape, np.float32)  # noqa: E731
         total += write_safetensors(path / fname, [(n, s, fetch(s)) for n, s in part], np.dtype(dtype))
         weight_map.update({n: fname for n, _ in part})
+    if packed:  # random codes, scales around 2**-4 as trained weights have them
+        tensors = {}
+        for name, shape in packed:
+            blocks = mxfp4.blocks_shape(shape)
+            tensors[name + mxfp4.BLOCKS] = rng.integers(0, 256, blocks, np.uint8)
+            tensors[name + mxfp4.SCALES] = rng.integers(120, 128, blocks[:-1], np.uint8)
+        save_file(tensors, path / "model-experts.safetensors")
+        total += sum(t.nbytes for t in tensors.values())
+        weight_map.update({n: "model-experts.safetensors" for n in tensors})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    (path / "config.json").write_text(json.dumps(hf_config_from_model(cfg, None, 0)))
-    return total
+    config = hf_config_from_model(cfg, None, 0)
+    if packed:
+        config["quantization_config"] = {"quant_method": "mxfp4"}
+    (path / "config.json").write_text(json.dumps(config))
+    converted = sum(int(np.prod(stacked_shape(s, cfg))) for s in specs) * np.dtype(dtype).itemsize
+    return total, converted
 
 
 def child(hf_dir: str, out_dir: str, what: str) -> None:
@@ -128,6 +152,7 @@ def copy_all(hf_dir: Path, dest: Path) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--family", choices=("llama", "gpt_oss"), default="llama")
     ap.add_argument("--emb", type=int, default=768)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dtype", default="bfloat16")
@@ -139,8 +164,9 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(tmp) / "hf"
-        size = write_checkpoint(hf_dir, args.emb, args.layers, args.dtype)
-        print(f"model: {size / 2**20:.1f} MiB of {args.dtype} in 4 safetensors shards (emb {args.emb}, {args.layers} layers)")
+        read_size, size = write_checkpoint(hf_dir, args.family, args.emb, args.layers, args.dtype)
+        print(f"{args.family} model: {size / 2**20:.1f} MiB of {args.dtype} from {read_size / 2**20:.1f} MiB of "
+              f"safetensors (emb {args.emb}, {args.layers} layers)")
         for what in ("load", "ingest"):
             for cold in (True, False):
                 runs = []
@@ -157,7 +183,7 @@ def main() -> None:
                 peak = max(x[2]["peak_kib"] - x[2]["baseline_kib"] for x in runs) * 1024
                 label = ("load_hf_params" if what == "load" else "ingest (+ Orbax write)") + (", disk" if cold else ", cache")
                 print(f"{label:<31} {r['seconds']:6.2f} s = {size / r['seconds'] / 2**20:7.1f} MiB/s; raw read {read_s:5.2f} s = "
-                      f"{size / read_s / 2**20:7.1f} MiB/s; throughput ratio {ratio:.2f} (goal >= 0.5; "
+                      f"{read_size / read_s / 2**20:7.1f} MiB/s; throughput ratio {ratio:.2f} (goal >= 0.5; "
                       f"median of {len(runs)}, range {runs[0][0]:.2f}-{runs[-1][0]:.2f})")
                 print(f"{'':<31} peak RSS above baseline {peak / 2**20:7.1f} MiB = {peak / size:.2f} x model size "
                       f"(goal <= 0.5, worst of {len(runs)}); baseline {r['baseline_kib'] / 1024:.0f} MiB")

@@ -1,12 +1,19 @@
 """Train-step throughput and MFU of Llama-shaped models; anchors: the device's peak, and a matmul measured in the same run.
 
-    python benchmarks/train_throughput.py [--shape cpu60m|1b|8b4] [--seq S] [--batch B] [--steps N]
+    python benchmarks/train_throughput.py [--shape cpu60m|cpu_gpt_oss|cpu_gemma4|1b|8b4|gpt_oss_20b_layer,...]
+        [--seq S] [--batch B] [--steps N]
         [--variants remat:dtype[:attention[:quantization]],...]
 
 Shapes: `cpu60m` (default, sized for a 2-core CPU): emb 512, 8 layers, 8 heads (8 kv heads) of 64, SwiGLU
 mlp 1536, vocab 32000, seq 512, batch 8. `1b`: Llama 3.2 1B (emb 2048, 16 layers, 32 heads, 8 kv heads of 64,
 mlp 8192, vocab 128256, tied embeddings), seq 4096, batch 4 per device. `8b4`: Llama 3 8B's layer (emb 4096,
 32 heads, 8 kv heads of 128, mlp 14336, vocab 128256) with 4 layers, seq 4096, batch 2 per device.
+`cpu_gpt_oss` and `cpu_gemma4` are cpu60m's sizes as the 2026 families build them, with the same active MLP
+parameters (GPT-OSS: top-2 of 8 experts of 768, biases, sinks, windows of 128 on alternate layers, YaRN;
+Gemma 4: 1 global layer in 4 with 128-wide heads, 2 kv heads and keys as values, v-norm, layer scalars, soft-cap).
+`gpt_oss_20b_layer`: GPT-OSS 20B's layer (emb 2880, 64 heads, 8 kv heads of 64, 32 experts of 2880, top-4,
+vocab 201088) with 2 layers, seq 4096, batch 1 per device (an accelerator's shape).
+Several shapes, comma-separated, run in one process one after the other (the same machine, the same minute).
 Float32 master weights and AdamW; `dtype` is the compute dtype; `attention` is model.attention (auto when
 left out; the kernel it resolves to is printed); `quantization` is train.quantization (none | int8 | fp8; none
 when left out: the layers' matmuls in 8 bits through Qwix, their FLOPs counted as float ones). Each variant is
@@ -40,6 +47,15 @@ from trainer.train.loop import abstract_opt_state, abstract_params, init_opt_sta
 SHAPES = {  # model overrides, seq, batch
     "cpu60m": (["model.emb_dim=512", "model.num_layers=8", "model.num_heads=8", "model.num_kv_heads=8",
                 "model.head_dim=64", "model.mlp_dim=1536", "model.vocab_size=32000"], 512, 8),
+    "cpu_gpt_oss": (["model.name=tiny_gpt_oss", "model.emb_dim=512", "model.num_layers=8", "model.num_heads=8",
+                     "model.num_kv_heads=8", "model.head_dim=64", "model.mlp_dim=768", "model.vocab_size=32000",
+                     "model.num_experts=8", "model.experts_per_token=2", "model.sliding_window=128",
+                     "model.rope_original_max_len=128"], 512, 8),
+    "cpu_gemma4": (["model.name=tiny_gemma4", "model.emb_dim=512", "model.num_layers=8", "model.num_heads=8",
+                    "model.num_kv_heads=8", "model.head_dim=64", "model.mlp_dim=1536", "model.vocab_size=32000",
+                    "model.sliding_window=128", "model.global_every=4", "model.global_head_dim=128",
+                    "model.global_num_kv_heads=2"], 512, 8),
+    "gpt_oss_20b_layer": (["model.name=gpt_oss_20b", "model.num_layers=2"], 4096, 1),
     "1b": (["model.emb_dim=2048", "model.num_layers=16", "model.num_heads=32", "model.num_kv_heads=8",
             "model.head_dim=64", "model.mlp_dim=8192", "model.vocab_size=128256", "model.tie_embeddings=true",
             "model.rope_theta=500000.0"], 4096, 4),
@@ -106,24 +122,32 @@ def run_variant(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu60m")
+    parser.add_argument("--shape", default="cpu60m", help=f"one or more of {', '.join(SHAPES)}, comma-separated")
     parser.add_argument("--seq", type=int, help="sequence length (default: the shape's)")
     parser.add_argument("--batch", type=int, help="sequences per step (default: the shape's)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--variants", default="none:float32,minimal:float32,full:float32,none:bfloat16",
                         help="remat:dtype[:attention[:quantization]], comma-separated")
     args = parser.parse_args()
-    _, seq, batch = SHAPES[args.shape]
-    seq, batch = args.seq or seq, args.batch or batch
+    for shape in args.shape.split(","):
+        run_shape(shape, args.seq, args.batch, args.steps, args.variants)
+
+
+def run_shape(shape: str, seq: int | None, batch: int | None, steps: int, variants: str) -> None:
+    """Every variant of one shape, a line each."""
+    if shape not in SHAPES:
+        raise SystemExit(f"unknown shape {shape!r}: one of {', '.join(SHAPES)}")
+    overrides, default_seq, default_batch = SHAPES[shape]
+    seq, batch = seq or default_seq, batch or default_batch
     device = jax.devices()[0]
     chip = chip_of(device)
     peak = f"{chip.name} dense bf16 peak {chip.peak_flops / 1e12:.0f} TFLOP/s" if chip else "no spec peak (CPU)"
-    print(f"device: {device.device_kind} (jax {jax.__version__}); shape {args.shape}, seq {seq}, batch {batch}; "
+    print(f"device: {device.device_kind} (jax {jax.__version__}); shape {shape}, seq {seq}, batch {batch}; "
           f"anchors: {peak}, {'float32 2048^2' if device.platform == 'cpu' else 'bf16 8192^2'} matmul", flush=True)
-    for variant in args.variants.split(","):
+    for variant in variants.split(","):
         remat, dtype, *rest = variant.split(":")
         attention, quantization = rest + ["auto", "none"][len(rest):]
-        r = run_variant(SHAPES[args.shape][0], seq, batch, remat, dtype, attention, args.steps, quantization)
+        r = run_variant(overrides, seq, batch, remat, dtype, attention, steps, quantization)
         line = (f"remat={remat:<7} dtype={dtype:<8} attention={r['attention']:<6} quant={quantization:<4} "
                 f"params {r['parameters'] / 1e6:7.1f} M  "
                 f"first step {r['first_step_s']:6.1f} s  step {r['step_s']:7.3f} s (median {r['median_step_s']:7.3f})  "

@@ -34,6 +34,13 @@ def tiny_hf_llama(dest: Path, corpus: Path, mlp_dim: int = 128, seed: int = 0) -
         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=0,
     )
     transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(dest)
+    return tiny_tokenizer(dest, corpus)
+
+
+def tiny_tokenizer(dest: Path, corpus: Path) -> Path:
+    """A byte-level BPE tokenizer of 512 ids trained on `corpus`, saved into the HF checkpoint directory `dest`."""
+    import tokenizers
+
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()

@@ -21,7 +21,7 @@ from trainer.train.loss import validation_loss
 from trainer.model.decoder import Transformer
 from trainer.model.sharding import make_mesh
 from trainer.train.loop import init_params
-from tests.helpers import small_corpus, tiny_hf_llama
+from tests.helpers import small_corpus, tiny_hf_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -138,4 +138,30 @@ def test_pipeline_from_a_hf_checkpoint(tmp_path):
     exported = transformers.AutoModelForCausalLM.from_pretrained(Path(result["paths"]["model"]) / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         before, after = (model(torch.tensor([ids])).logits.numpy() for model in (original, exported))
+    np.testing.assert_allclose(after, before, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family, options", [("gpt_oss", {"mxfp4": True}), ("gemma4_moe", {"vision": True})])
+def test_pipeline_from_a_2026_hub_checkpoint(family, options, tmp_path):
+    """GPT-OSS as the hub stores it (MXFP4 experts) and Gemma 4 MoE (the multimodal wrapper, a vision tower that is
+    skipped) run prep -> ingest -> train -> export -> eval; at a learning rate of 1e-12 the export gives
+    transformers' logits of the hub checkpoint."""
+    torch = pytest.importorskip("torch")
+    from tests.trainer.hf_models_2026 import load_hub_format, save_hub_format, tiny_hf_model
+
+    corpus = small_corpus(tmp_path / "corpus", limit_bytes=200_000)
+    hf_dir = tiny_tokenizer(save_hub_format(tiny_hf_model(family), family, tmp_path / "hf", **options), corpus)
+    cfg = resolve_config(None, [
+        f"data.input={corpus}/*.py", f"pipeline.root={tmp_path / 'runs'}", f"pipeline.hf_checkpoint={hf_dir}",
+        "data.seq_len=64", "train.batch_size=8", "train.steps=2", "warmup_steps=0", "learning_rate=1e-12",
+        "eval.batch_size=8", "eval.max_batches=2", "eval.max_new_tokens=4",
+    ])
+    assert cfg.model.family == family.removesuffix("_moe")
+    result = run_local(cfg)
+    assert result["manifests"]["report"]["stats"]["val_perplexity"] > 1
+
+    ids = list(range(1, 200))
+    exported = load_hub_format(Path(result["paths"]["model"]) / "hf")
+    with torch.no_grad():
+        before, after = (model(torch.tensor([ids])).logits.numpy() for model in (load_hub_format(hf_dir), exported))
     np.testing.assert_allclose(after, before, atol=1e-4, rtol=0)

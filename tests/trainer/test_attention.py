@@ -68,6 +68,31 @@ def test_splash_matches_xla(head_dim: int, kv_heads: int, window: int, documents
         _close(g, w, f"d{name}")
 
 
+def test_splash_with_sinks_matches_xla() -> None:
+    """GPT-OSS's attention sinks through splash (a logit per head joining each softmax row): outputs and gradients,
+    the sinks' own included, equal XLA's; GQA, a window and documents on."""
+    seq, heads, kv_heads, head_dim, window = 256, 4, 2, 64, 100
+    keys = jax.random.split(jax.random.key(7), 5)
+    q = jax.random.normal(keys[0], (2, seq, heads, head_dim))
+    k, v = (jax.random.normal(key, (2, seq, kv_heads, head_dim)) for key in keys[1:3])
+    sinks = 2.0 * jax.random.normal(keys[3], (heads,))
+    cotangent = jax.random.normal(keys[4], q.shape)
+    segments = np.stack([np.searchsorted([50, 200], np.arange(seq), side="right")] * 2).astype(np.int32)
+    mask = _dense_mask(segments, seq, window)
+
+    def splash(q, k, v, s):
+        return flash_attention("splash", q, k, v, segments, scale=head_dim**-0.5, softcap=0.0, window=window, sinks=s)
+
+    def xla(q, k, v, s):
+        return xla_attention(q, k, v, jnp.asarray(mask), False, head_dim**-0.5, 0.0, s)
+
+    want, want_vjp = jax.vjp(xla, q, k, v, sinks)
+    got, got_vjp = jax.vjp(splash, q, k, v, sinks)
+    _close(got, want, "output")
+    for name, g, w in zip(["q", "k", "v", "sinks"], got_vjp(cotangent), want_vjp(cotangent)):
+        _close(g, w, f"d{name}")
+
+
 SEQ = 128  # the shortest sequence splash tiles
 
 

@@ -177,16 +177,29 @@ def test_moe_settings_are_checked_against_the_family():
 # MoE totals: Mixtral 8x7B's safetensors (46.7B), a Mixtral-8x22B-v0.1 finetune's safetensors metadata (141B),
 # Qwen3-30B-A3B's card 30.5B; their active parameters (k experts of each layer, embeddings included) are
 # the cards' rounded 12.9B, 39B and 3.3B.
+# GPT-OSS: the Hub's safetensors totals (the MXFP4 experts counted unpacked), 116,829,156,672 and 20,914,757,184, the
+# gpt-oss model card's 116.83B and 20.91B. The card's active counts (5.13B, 3.61B) leave out the input embedding table
+# (a lookup) and count the idle experts' biases as idle; the formula below keeps the embedding and all expert biases,
+# so ACTIVE adds the table (201088 x 2880) back to the card's figure.
+# Gemma 4: the language model of google/gemma-4-31B-it and -26B-A4B-it summed from their safetensors headers (public
+# reports; the checkpoints' totals also hold the vision tower), the card's 30.7B and 25.2B; 26B-A4B active: the card's
+# 3.8B (3,822,530,590 by the formula).
 PUBLISHED = {
     "llama2_7b": 6_738_415_616, "llama3_8b": 8_030_261_248, "llama3_1_8b": 8_030_261_248,
     "mistral_7b": 7_241_732_096, "qwen3_0_6b": 596_049_920, "gemma_2b": 2_506_172_416,
     "gemma2_2b": 2_614_341_888, "gemma3_1b": 999_885_952, "mixtral_8x7b": 46_702_792_704,
     "mixtral_8x22b": 140_630_071_296, "qwen3_30b_a3b": 30_532_122_624,
+    "gpt_oss_20b": 20_914_757_184, "gpt_oss_120b": 116_829_156_672,
+    "gemma4_31b": 30_697_345_340, "gemma4_26b_a4b": 25_233_141_790,
 }
-ACTIVE = {"mixtral_8x7b": 12.9e9, "mixtral_8x22b": 39e9, "qwen3_30b_a3b": 3.3e9}
+ACTIVE = {
+    "mixtral_8x7b": 12.9e9, "mixtral_8x22b": 39e9, "qwen3_30b_a3b": 3.3e9,
+    "gpt_oss_20b": 3.61e9 + 201088 * 2880, "gpt_oss_120b": 5.13e9 + 201088 * 2880, "gemma4_26b_a4b": 3.8e9,
+}
 
 
-@pytest.mark.parametrize("name", [*PUBLISHED, "tiny_gemma3", "tiny_mistral", "tiny_mixtral", "tiny_qwen3_moe"])
+@pytest.mark.parametrize("name", [*PUBLISHED, "tiny_gemma3", "tiny_mistral", "tiny_mixtral", "tiny_qwen3_moe",
+                                  "tiny_gpt_oss", "tiny_gemma4", "tiny_gemma4_moe"])
 def test_named_configs_build_the_same_model_in_transformers(name, tmp_path):
     from transformers import AutoConfig
 
@@ -199,7 +212,9 @@ def test_named_configs_build_the_same_model_in_transformers(name, tmp_path):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
     assert type(model).__name__ == hf["architectures"][0]
     ours = param_count(abstract_params(cfg))
-    assert ours == sum(p.numel() for p in model.parameters()) == PUBLISHED.get(name, ours)
+    stored = set(model.state_dict())  # + persistent buffers: Gemma 4's layer_scalar is one, stored in its checkpoints
+    theirs = sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers() if n in stored)
+    assert ours == theirs == PUBLISHED.get(name, ours)
     if name in ACTIVE:
         idle = cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.emb_dim * cfg.expert_width
         assert ours - idle == pytest.approx(ACTIVE[name], rel=0.02)  # Qwen's 3.3B is 3.35B with the embeddings

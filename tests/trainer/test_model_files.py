@@ -6,8 +6,9 @@ config for our file, and (b) `model_config_from_hf` reads the hub config back as
 field, including max_seq_len (max_position_embeddings) and init_std (initializer_range), which
 `check_hf_config` leaves out; only the name and our dtype choices are not in a config.json. (c) reads
 the hub config with transformers itself (config objects only, nothing allocated) and checks the
-features where its defaults, not the file, decide: tied embeddings, head size, which layers are
-global. Parameter counts against the published ones are pinned in test_families.py.
+features where its defaults, not the file, decide: tied embeddings, head size (Gemma 4: per layer
+type), which layers are global, RoPE, MoE sizes. Parameter counts against the published ones are
+pinned in test_families.py.
 
 bos/eos ids are recorded as found but not compared: ModelConfig has no token ids (export takes them
 from the tokenizer).
@@ -21,7 +22,8 @@ from configs import load_config
 from trainer.hf.config import check_hf_config, model_config_from_hf
 from trainer.model.layers import layer_is_global
 
-# Copies of the hub config.json files. Python literals (null -> None); key order as on the hub.
+# Copies of the hub config.json files. Python literals (null -> None; a long layer_types list written as a product); key
+# order as on the hub.
 HUB: dict[str, dict] = {
     # meta-llama/Llama-2-7b-hf. Verbatim copy: github.com/Girafboy/pytorchKQI example/evaluate.py
     # (commit 035d44b8, `Llama_2_7b_hf`). Cross-check: mlc-ai/mlc-llm python/mlc_llm/model/model_preset.py
@@ -381,6 +383,281 @@ HUB: dict[str, dict] = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
+    # openai/gpt-oss-20b. Verbatim copy: github.com/safety-research/circuit-tracer
+    # tests/test_attributions_gpt_oss_nnsight.py (commit b00048e4, `gpt_oss_config`), less the `_name_or_path` that test
+    # appends. Cross-check: EchoCog/gpt-oss-20b config.json (commit 52971a17) is the same file with quant_method edited
+    # to "gptq"; jihengzhang/jihz-gpt-oss-20b gpt-oss-20b/config.json (commit 7ec89800) the same without
+    # quantization_config. layer_types (24 entries, sliding first) is written as a product here. router_aux_loss_coef
+    # 0.9 is the hub's (transformers' default is 0.001), so the file's load_balance_weight is 0.9.
+    "gpt_oss_20b": {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 8,
+        "num_local_experts": 32,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.55.0.dev0",
+        "use_cache": True,
+        "vocab_size": 201088,
+    },
+    # openai/gpt-oss-120b. Verbatim values: github.com/foxl-ai/kiln tests/test_gpt_oss.py (commit a04d1fab, `REAL`,
+    # which cites huggingface.co/openai/gpt-oss-120b/raw/main/config.json and abbreviates layer_types as
+    # 18 x [sliding, full]; written out the same way here). It is the 20b file but for num_hidden_layers 36,
+    # num_local_experts 128 and layer_types. Cross-check: a public article quoting both files in full (JSON) gives the
+    # same 120b values.
+    "gpt_oss_120b": {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 18,
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "num_local_experts": 128,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.55.0.dev0",
+        "use_cache": True,
+        "vocab_size": 201088,
+    },
+    # google/gemma-4-31B-it (the architecture of google/gemma-4-31B; the -it file's eos [1, 106]). Reconstructed, not a
+    # verbatim copy: no public copy of Google's file was found. The top level and text_config are those of a public C++
+    # test fixture transcribing nvidia/Gemma-4-31B-IT-NVFP4 @ 4135a98a (NVIDIA's quantized re-release of this model; its
+    # quantization_config is dropped here; the fixture's repository is not named by the search index). Cross-checks:
+    # every text_config value equals a transformers 5.7 dump of the loaded google/gemma-4-31B-it config (a public
+    # model-info report) and a Rust test's copy of the 31B text_config trimmed to 6 layers; the sizes equal
+    # AI-Hypercomputer/maxtext src/maxtext/configs/models/gemma4-31b.yml (commit 61851770). vision_config is cut to the
+    # tower's sizes as that dump gives them (maxpipe skips the tower). `expert_intermediate_size` is the release's key
+    # for what transformers now calls moe_intermediate_size (unset: dense).
+    "gemma4_31b": {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "audio_config": None,
+        "audio_token_id": 258881,
+        "boa_token_id": 256000,
+        "boi_token_id": 255999,
+        "dtype": "bfloat16",
+        "eoa_token_id": 258883,
+        "eoa_token_index": 258883,
+        "eoi_token_id": 258882,
+        "eos_token_id": [1, 106],
+        "image_token_id": 258880,
+        "initializer_range": 0.02,
+        "model_type": "gemma4",
+        "text_config": {
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "attention_k_eq_v": True,
+            "bos_token_id": 2,
+            "dtype": "bfloat16",
+            "enable_moe_block": False,
+            "eos_token_id": 1,
+            "expert_intermediate_size": None,
+            "final_logit_softcapping": 30.0,
+            "global_head_dim": 512,
+            "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_size": 5376,
+            "hidden_size_per_layer_input": 0,
+            "initializer_range": 0.02,
+            "intermediate_size": 21504,
+            "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10,
+            "max_position_embeddings": 262144,
+            "model_type": "gemma4_text",
+            "num_attention_heads": 32,
+            "num_experts": None,
+            "num_global_key_value_heads": 4,
+            "num_hidden_layers": 60,
+            "num_key_value_heads": 16,
+            "num_kv_shared_layers": 0,
+            "pad_token_id": 0,
+            "rms_norm_eps": 1e-06,
+            "rope_parameters": {
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+            },
+            "sliding_window": 1024,
+            "tie_word_embeddings": True,
+            "top_k_experts": None,
+            "use_bidirectional_attention": "vision",
+            "use_cache": True,
+            "use_double_wide_mlp": False,
+            "vocab_size": 262144,
+            "vocab_size_per_layer_input": 262144,
+        },
+        "tie_word_embeddings": True,
+        "transformers_version": "5.5.0.dev0",
+        "video_token_id": 258884,
+        "vision_config": {
+            "default_output_length": 280,
+            "head_dim": 72,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "model_type": "gemma4_vision",
+            "num_attention_heads": 16,
+            "num_hidden_layers": 27,
+            "num_key_value_heads": 16,
+            "patch_size": 16,
+            "pooling_kernel_size": 3,
+            "position_embedding_size": 10240,
+            "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+            "standardize": True,
+        },
+        "vision_soft_tokens_per_image": 280,
+    },
+    # google/gemma-4-26B-A4B-it (the architecture of google/gemma-4-26B-A4B). Reconstructed, not a verbatim copy: no
+    # public copy of Google's file was found. Top level and text_config from the same C++ fixture's transcription of
+    # bg-digitalservices/Gemma-4-26B-A4B-it-NVFP4A16 (main, read 2026-10-04; a quantized re-release, re-saved by
+    # transformers 5.5.0; its quantization_config dropped here). Cross-checks: the text_config keys of
+    # mlx-community/gemma-4-26b-a4b-it-4bit @ 0d77464e quoted in a public Swift test, and a Go test's full 26B
+    # text_config, agree on every value they give; the sizes equal maxtext's gemma4-26b.yml (commit 3ba4b07e).
+    # vision_config as for the 31B (maxtext gives both the same vision tower).
+    "gemma4_26b_a4b": {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "audio_config": None,
+        "audio_token_id": 258881,
+        "boa_token_id": 256000,
+        "boi_token_id": 255999,
+        "dtype": "bfloat16",
+        "eoa_token_id": 258883,
+        "eoa_token_index": 258883,
+        "eoi_token_id": 258882,
+        "eos_token_id": [1, 106],
+        "image_token_id": 258880,
+        "initializer_range": 0.02,
+        "model_type": "gemma4",
+        "text_config": {
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "attention_k_eq_v": True,
+            "bos_token_id": 2,
+            "dtype": "bfloat16",
+            "enable_moe_block": True,
+            "eos_token_id": 1,
+            "final_logit_softcapping": 30.0,
+            "global_head_dim": 512,
+            "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_size": 2816,
+            "hidden_size_per_layer_input": 0,
+            "initializer_range": 0.02,
+            "intermediate_size": 2112,
+            "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+            "max_position_embeddings": 262144,
+            "model_type": "gemma4_text",
+            "moe_intermediate_size": 704,
+            "num_attention_heads": 16,
+            "num_experts": 128,
+            "num_global_key_value_heads": 2,
+            "num_hidden_layers": 30,
+            "num_key_value_heads": 8,
+            "num_kv_shared_layers": 0,
+            "pad_token_id": 0,
+            "rms_norm_eps": 1e-06,
+            "rope_parameters": {
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+            },
+            "sliding_window": 1024,
+            "tie_word_embeddings": True,
+            "top_k_experts": 8,
+            "use_bidirectional_attention": "vision",
+            "use_cache": True,
+            "use_double_wide_mlp": False,
+            "vocab_size": 262144,
+            "vocab_size_per_layer_input": 262144,
+        },
+        "tie_word_embeddings": True,
+        "transformers_version": "5.5.0",
+        "video_token_id": 258884,
+        "vision_config": {
+            "default_output_length": 280,
+            "head_dim": 72,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "model_type": "gemma4_vision",
+            "num_attention_heads": 16,
+            "num_hidden_layers": 27,
+            "num_key_value_heads": 16,
+            "patch_size": 16,
+            "pooling_kernel_size": 3,
+            "position_embedding_size": 10240,
+            "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+            "standardize": True,
+        },
+        "vision_soft_tokens_per_image": 280,
+    },
 }
 
 # Not in a config.json: our name for the model and our compute / master-weight dtypes.
@@ -394,7 +671,8 @@ def _ours(name: str):
 def test_every_real_size_model_file_is_covered():
     from configs import available
 
-    tiny = {"demo", "tiny", "tiny_gemma3", "tiny_mistral", "tiny_mixtral", "tiny_qwen3_moe"}
+    tiny = {"demo", "tiny", "tiny_gemma3", "tiny_mistral", "tiny_mixtral", "tiny_qwen3_moe", "tiny_gpt_oss",
+            "tiny_gemma4", "tiny_gemma4_moe"}
     assert set(available("models")) - tiny == set(HUB)
 
 
@@ -420,25 +698,47 @@ def test_transformers_reads_the_hub_config_as_our_file(name):
 
     ours, hub = _ours(name), HUB[name]
     hf = AutoConfig.for_model(**hub)
-    text = hf.get_text_config()
+    text = hf.get_text_config()  # Gemma 4: the wrapper's text_config
     assert hf.tie_word_embeddings == ours.tie_embeddings
+    gemma4 = text.model_type == "gemma4_text"
+    if getattr(text, "is_heterogeneous", False):  # Gemma 4: global layers with their own head size and kv heads
+        full = text.per_layer_config["full_attention"]
+        assert full.head_dim == (ours.global_head_dim or ours.head_dim)
+        assert full.num_key_value_heads == (ours.global_num_kv_heads or ours.num_kv_heads)
+        text = text.per_layer_config["sliding_attention"]  # the local layers' geometry is the file's head_dim, kv heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     assert head_dim == ours.head_dim
+    assert (text.num_key_value_heads or text.num_attention_heads) == ours.num_kv_heads
+    assert getattr(text, "attention_k_eq_v", False) == ours.global_k_eq_v
+    assert bool(getattr(text, "attention_bias", False)) == ours.attention_bias  # GPT-OSS
     types = getattr(text, "layer_types", None)
-    if types is not None:  # Gemma 2/3, Qwen3
+    if types is not None:  # Gemma 2/3/4, Qwen3, GPT-OSS
         assert [t == "full_attention" for t in types] == layer_is_global(ours).tolist()
-    rope = text.rope_parameters  # transformers 5: one dict, or one per layer type (Gemma 3)
+    rope = text.rope_parameters  # transformers 5: one dict, or one per layer type (Gemma 3/4)
     local = rope.get("sliding_attention") if "full_attention" in rope else None
     rope = rope.get("full_attention", rope)
     assert float(rope["rope_theta"]) == ours.rope_theta
     assert rope.get("rope_type", "default") == {"none": "default"}.get(ours.rope_scaling, ours.rope_scaling)
-    if local is not None:  # Gemma 3: its own RoPE base on the local layers
+    if ours.rope_scaling in ("yarn", "proportional"):  # GPT-OSS, Gemma 4 (global layers)
+        assert float(rope.get("factor") or 1.0) == ours.rope_factor
+        assert float(rope.get("partial_rotary_factor", 1.0)) == ours.rope_fraction
+    if ours.rope_scaling == "yarn":
+        assert rope["original_max_position_embeddings"] == ours.rope_original_max_len
+        assert (rope.get("beta_fast", 32.0), rope.get("beta_slow", 1.0)) == (ours.rope_beta_fast, ours.rope_beta_slow)
+        assert rope.get("truncate", True) == ours.rope_truncate
+    if local is not None:  # Gemma 3/4: its own RoPE base on the local layers
         assert float(local["rope_theta"]) == ours.rope_local_theta
     assert (getattr(text, "attn_logit_softcapping", None) or 0.0) == ours.attn_softcap
     assert (getattr(text, "final_logit_softcapping", None) or 0.0) == ours.final_softcap
-    assert (getattr(text, "query_pre_attn_scalar", None) or 0.0) == ours.query_pre_attn_scalar
-    if ours.moe:  # transformers 5 names the expert count num_local_experts in both families
-        assert (text.num_local_experts, text.num_experts_per_tok) == (ours.num_experts, ours.experts_per_token)
+    # Gemma 4 has no query_pre_attn_scalar: its attention scale is 1 (modeling_gemma4: self.scaling = 1.0).
+    assert (getattr(text, "query_pre_attn_scalar", None) or (1.0 if gemma4 else 0.0)) == ours.query_pre_attn_scalar
+    if ours.activation == "silu_clamped":  # GPT-OSS
+        assert text.swiglu_limit == ours.activation_limit
+    assert getattr(text, "enable_moe_block", ours.moe) == ours.moe  # Gemma 4: dense or MoE by this switch
+    if ours.moe:  # transformers 5: num_local_experts (Mixtral, Qwen3-MoE, GPT-OSS); Gemma 4 its own names
+        experts = text.num_experts if gemma4 else text.num_local_experts
+        top_k = text.top_k_experts if gemma4 else text.num_experts_per_tok
+        assert (experts, top_k) == (ours.num_experts, ours.experts_per_token)
         assert getattr(text, "moe_intermediate_size", text.intermediate_size) == ours.expert_width
         assert getattr(text, "norm_topk_prob", True) == ours.router_renormalize  # Mixtral always renormalises
         assert getattr(text, "decoder_sparse_step", 1) == 1 and not getattr(text, "mlp_only_layers", [])

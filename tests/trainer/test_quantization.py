@@ -140,7 +140,9 @@ def _dots(model_file: str, mode: str, *overrides: str) -> set[tuple[str, str, st
     ("tiny_mixtral", "int8", (), ""),  # dropless, CPU: tiles of one expert as one batched einsum
     ("tiny_mixtral", "fp8", (), "gpu"),  # dropless as on GPU and TPU: jax.lax.ragged_dot
     ("tiny_qwen3_moe", "int8", ("model.capacity_factor=1.5", "model.moe_every=2"), ""),  # capacity slots
-], ids=["dense", "moe-tiled", "moe-ragged", "moe-capacity"])
+    ("tiny_gpt_oss", "int8", (), ""),  # biases, sinks; experts with biases
+    ("tiny_gemma4_moe", "int8", (), ""),  # two blocks a unit, keys as values, a dense MLP beside the experts
+], ids=["dense", "moe-tiled", "moe-ragged", "moe-capacity", "gpt_oss", "gemma4_moe"])
 def test_only_the_projections_and_experts_are_quantized(
     model_file: str, mode: str, overrides: tuple[str, ...], platform: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

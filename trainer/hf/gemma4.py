@@ -93,8 +93,9 @@ def config_fields(hf: dict) -> dict[str, Any]:
     if not hf.get("enable_moe_block"):
         return fields | dict(num_experts=0, experts_per_token=2, expert_mlp_dim=0, load_balance_weight=0.0,
                              capacity_factor=0.0)
-    return fields | dict(num_experts=hf["num_experts"], experts_per_token=hf["top_k_experts"],
-                         expert_mlp_dim=hf["moe_intermediate_size"], load_balance_weight=0.0, capacity_factor=0.0)
+    width = hf.get("moe_intermediate_size") or hf.get("expert_intermediate_size")  # the 31B file's older name
+    return fields | dict(num_experts=hf["num_experts"], experts_per_token=hf["top_k_experts"], expert_mlp_dim=width,
+                         load_balance_weight=0.0, capacity_factor=0.0)
 
 
 def hf_config(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:

@@ -164,16 +164,17 @@ class Transformer(nn.Module):
         else:
             layer_masks, slot_pos = masks(cfg, positions, segment_ids, cache)
         kinds = unit_kinds(cfg)
-        single = len(kinds) == 1
-        unit = nn.remat(Block if single else Blocks, policy=REMAT_POLICIES[self.remat], prevent_cse=False) \
-            if self.remat != "none" else (Block if single else Blocks)
+        single = len(kinds) == 1  # one block per unit: its parameters directly under layers/
+        unit = Block if single else Blocks
+        if self.remat != "none":
+            unit = nn.remat(unit, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         layers = nn.scan(
             unit, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0, 0), length=unit_count(cfg),
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        stack = layers(cfg, kinds[0], self.attention, self.mesh, name="layers") if single else \
-            layers(cfg, self.attention, self.mesh, name="layers")
+        block_args = (kinds[0],) if single else ()
+        stack = layers(cfg, *block_args, self.attention, self.mesh, name="layers")
         is_global = jnp.asarray(layer_is_global(cfg)).reshape(unit_count(cfg), len(kinds))
         kv = None if cache is None else (cache["kv"][0] if single else cache["kv"])
         index = None if cache is None else cache["index"]
@@ -192,8 +193,7 @@ class Transformer(nn.Module):
         logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
         if cache is None:
             return logits
-        new_kv = (kv,) if single else kv
-        return logits, {"kv": new_kv, "pos": slot_pos, "index": cache["index"] + tokens.shape[1]}
+        return logits, {"kv": (kv,) if single else kv, "pos": slot_pos, "index": cache["index"] + tokens.shape[1]}
 
 
 def param_count(params: dict) -> int:

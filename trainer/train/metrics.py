@@ -9,24 +9,30 @@ import jax
 import jax.numpy as jnp
 
 from configs import ModelConfig
+from trainer.model.layers import head_geometry, layer_is_global, layer_is_moe
 from trainer.train.accelerators import chip_of
 
 
 def train_flops_per_step(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     """Forward + backward FLOPs of one step on `batch` sequences (matmuls only; causal attention halved).
 
-    An MoE layer counts its router and the k experts each token runs through (active parameters), as MaxText does.
+    An MoE layer counts its router and the k experts each token runs through (active parameters), as MaxText does,
+    plus the dense MLP beside them where there is one (Gemma 4). Each layer counts its own heads (Gemma 4's global
+    layers are wider).
     """
     tokens = batch * seq_len
     dense = 2 * tokens * cfg.mlp_dim * cfg.emb_dim * 3  # gate, up and down projections
     sparse = 2 * tokens * cfg.emb_dim * (cfg.expert_width * 3 * cfg.experts_per_token + cfg.num_experts)
-    moe_layers = cfg.num_layers // cfg.moe_every if cfg.moe else 0
-    ffn = (moe_layers * sparse + (cfg.num_layers - moe_layers) * dense) / cfg.num_layers  # per layer, on average
-    qkv = 2 * tokens * cfg.emb_dim * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    out = 2 * tokens * cfg.emb_dim * cfg.num_heads * cfg.head_dim
-    attention = 4 * tokens * seq_len * cfg.num_heads * cfg.head_dim / 2
+    total = 0.0
+    for is_global, is_moe in zip(layer_is_global(cfg), layer_is_moe(cfg)):
+        head_dim, kv_heads, k_eq_v = head_geometry(cfg, bool(is_global))
+        ffn = sparse + (dense if cfg.moe_dense_mlp else 0) if is_moe else dense
+        qkv = 2 * tokens * cfg.emb_dim * (cfg.num_heads + (1 if k_eq_v else 2) * kv_heads) * head_dim
+        out = 2 * tokens * cfg.emb_dim * cfg.num_heads * head_dim
+        attention = 4 * tokens * seq_len * cfg.num_heads * head_dim / 2
+        total += ffn + qkv + out + attention
     unembed = 2 * tokens * cfg.emb_dim * cfg.vocab_size
-    return 3 * (cfg.num_layers * (ffn + qkv + out + attention) + unembed)
+    return 3 * (total + unembed)
 
 
 def measure_matmul_flops(
