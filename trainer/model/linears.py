@@ -39,7 +39,10 @@ class Linear(nn.Module):
         init = nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.axes)
         kernel = self.param("kernel", init, (*in_shape, *self.features), self.param_dtype)
         flat = x.reshape(-1, math.prod(in_shape)).astype(self.dtype)
-        y = jnp.dot(flat, kernel.astype(self.dtype).reshape(math.prod(in_shape), -1))
+        # lax.dot_general, not jnp.dot: jnp.dot is a cached jit, whose trace Qwix's interception (quantization.py)
+        # would then share between quantized and float models.
+        matrix = kernel.astype(self.dtype).reshape(math.prod(in_shape), -1)
+        y = jax.lax.dot_general(flat, matrix, (((1,), (0,)), ((), ())))
         y = y.reshape(*x.shape[: x.ndim - n_in], *self.features)
         if self.use_bias:
             bias_init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes[n_in:])
