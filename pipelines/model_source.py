@@ -60,7 +60,7 @@ def artifact_model(directory: str | Path, log: Log = print) -> dict[str, Any]:
 
 def _parameters(model: ModelConfig) -> int:
     """Counted from the tensor shapes: building the model would start JAX in this (the launching) process."""
-    from trainer.hf.tensor_spec import hf_names
+    from trainer.hf.tensor_spec import stacked_shape
     from trainer.hf.tensors import tensor_specs
 
-    return sum(math.prod(s.hf_shape) * len(hf_names(s, model)) for s in tensor_specs(model))
+    return sum(math.prod(stacked_shape(s, model)) for s in tensor_specs(model))

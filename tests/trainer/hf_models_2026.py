@@ -2,7 +2,7 @@
 
 Same idea as `hf_models.py`: every feature of the family is switched on and every parameter that transformers
 initialises to 0 or 1 (sinks, biases, router scales, `layer_scalar`) is randomised, so that a converter which drops
-or misplaces one of them changes the logits. See SPEC_2026.md (next to this file) for the forward pass.
+or misplaces one of them changes the logits. See docs/hf_gpt_oss_gemma4.md for the forward pass.
 
 * `tiny_hf_model(family, seed)`: "gpt_oss", "gemma4" (dense) or "gemma4_moe".
 * `save_hub_format(model, family, out_dir, mxfp4=False, vision=True)`: the directory a user downloading

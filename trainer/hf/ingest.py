@@ -5,7 +5,8 @@ output, or through a small block buffer when it is transposed or cast; ingest co
 its experts in a Mixture of Experts) or a block of vocabulary rows at a time, two at once, and writes each
 as soon as it is converted, so it holds four such parts at a time. A layer's tensor of all experts (GPT-OSS,
 Gemma 4) is read whole and converted in memory, dequantized first when the hub stores it in MXFP4.
-A hub file's language model may sit under `model.language_model.` (Gemma 4) or transformers' `model.`: either is read.
+A multimodal hub file's language model (Gemma 4: `model.language_model.`) is read under that prefix or under
+transformers' text model's `model.`.
 """
 
 from __future__ import annotations
@@ -64,14 +65,18 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
     """Check the checkpoint's tensor names and shapes; return fill(spec, out, k=0, parts=1), converting one parameter."""
     files = open_checkpoint(CheckpointDir(hf_dir), allow_pickle)
     dtype = np.dtype(cfg.param_dtype)
-    ignored = ADAPTERS[cfg.family].IGNORED if cfg.family in ADAPTERS else ()
+    adapter = ADAPTERS.get(cfg.family)
+    ignored, prefix = (adapter.IGNORED, adapter.PREFIX) if adapter else ((), "model.")
+
+    def text_name(name: str) -> str:  # a hub name (prefix) as transformers' text-only files have it (model.)
+        return "model." + name.removeprefix(prefix)
 
     def locate(spec: TensorSpec, index: int, name: str) -> tuple[str, tuple[int, ...], int]:
         """(The checkpoint's tensor holding HF tensor `name`, that tensor's expected shape, the first row there):
         the tensor itself or, when the checkpoint has transformers' in-memory names, the one it is part of; its
         MXFP4 blocks when quantized."""
-        if name not in files and name.startswith(_HUB_PREFIX) and _text_name(name) in files:
-            name = _text_name(name)
+        if name not in files and text_name(name) in files:
+            name = text_name(name)
         if name not in files and spec.memory_name:
             memory = in_memory(spec, cfg, index)
             if memory[0] in files:
@@ -175,14 +180,6 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
                 copy(spec, names[layer * per_layer + e], out[j, e] if spec.experts else out[j])
 
     return fill
-
-
-_HUB_PREFIX = "model.language_model."  # the language model of a multimodal hub checkpoint (Gemma 4)
-
-
-def _text_name(name: str) -> str:
-    """A hub name under model.language_model. as transformers' text model has it, under model."""
-    return "model." + name.removeprefix(_HUB_PREFIX)
 
 
 def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
