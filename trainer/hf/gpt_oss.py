@@ -40,7 +40,8 @@ def unwrap(hf: dict) -> dict:
 def config_fields(hf: dict) -> dict[str, Any]:
     """Our model fields of a GPT-OSS config.json (the hub's legacy rope_scaling or transformers 5's rope_parameters)."""
     if hf.get("swiglu_alpha", SWIGLU_ALPHA) != SWIGLU_ALPHA:
-        raise UserError(f"HF config sets swiglu_alpha {hf['swiglu_alpha']}; maxpipe's clamped SwiGLU uses {SWIGLU_ALPHA}")
+        raise UserError(f"HF config sets swiglu_alpha {hf['swiglu_alpha']}; maxpipe's clamped SwiGLU uses "
+                        f"{SWIGLU_ALPHA}")
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     window, every = layer_pattern(types, n, hf.get("sliding_window", 128) or 0)
@@ -89,14 +90,16 @@ def block_specs(cfg: ModelConfig, kind: LayerKind) -> list[TensorSpec]:
     specs = [TensorSpec(("layers", "attn_norm", "scale"), "model.layers.{i}.input_layernorm.weight", (d,), same, same)]
     for name, heads in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)):
         specs += [
-            TensorSpec(("layers", "attn", name, "kernel"), at + name + ".weight", (heads * hd, d), *heads_in(d, heads, hd)),
+            TensorSpec(("layers", "attn", name, "kernel"), at + name + ".weight", (heads * hd, d),
+                       *heads_in(d, heads, hd)),
             TensorSpec(("layers", "attn", name, "bias"), at + name + ".bias", (heads * hd,), *heads_bias(heads, hd)),
         ]
     specs += [
         TensorSpec(("layers", "attn", "o_proj", "kernel"), at + "o_proj.weight", (d, h * hd), *heads_out(d, h, hd)),
         TensorSpec(("layers", "attn", "o_proj", "bias"), at + "o_proj.bias", (d,), same, same),
         TensorSpec(("layers", "attn", "sinks"), at + "sinks", (h,), same, same),
-        TensorSpec(("layers", "mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", (d,), same, same),
+        TensorSpec(("layers", "mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", (d,), same,
+                   same),
         TensorSpec(("layers", "moe", "router", "kernel"), "model.layers.{i}.mlp.router.weight", (e, d), t, t),
         TensorSpec(("layers", "moe", "router", "bias"), "model.layers.{i}.mlp.router.bias", (e,), same, same),
     ]

@@ -30,7 +30,9 @@ def attention_mask(segment_ids: Array | None) -> Array | None:
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
-def masks(cfg: ModelConfig, positions: Array, segment_ids: Array | None, cache: dict | None) -> tuple[dict, Array | None]:
+def masks(
+    cfg: ModelConfig, positions: Array, segment_ids: Array | None, cache: dict | None
+) -> tuple[dict, Array | None]:
     """Attention masks [batch, 1, q, k] for global and/or local layers, and the cache's slot positions."""
     kinds = set(layer_is_global(cfg).tolist())
     if cache is None and not cfg.sliding_window:
@@ -86,7 +88,8 @@ class Attention(nn.Module):
         if cfg.v_norm:
             v = norm(cfg, "v_norm", "head_dim", use_scale=False)(v)
         if self.kind is None:
-            inv_freq = jnp.where(is_global, rope_frequencies(cfg, False, head_dim), rope_frequencies(cfg, True, head_dim))
+            glob, local = rope_frequencies(cfg, False, head_dim), rope_frequencies(cfg, True, head_dim)
+            inv_freq = jnp.where(is_global, glob, local)
             factor = jnp.where(is_global, attention_factor(cfg, False), attention_factor(cfg, True))
         else:
             inv_freq, factor = rope_frequencies(cfg, not self.kind, head_dim), attention_factor(cfg, not self.kind)

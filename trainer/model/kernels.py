@@ -3,9 +3,9 @@
 Every kernel computes the same function: causal grouped-query attention over [batch, seq, heads, head_dim],
 optionally limited to a sliding window of the latest `window` tokens and to the query's own document
 (segment ids), with the scores scaled and optionally soft-capped (cap * tanh(score / cap)), and optionally a
-learned sink logit per head joining every softmax row (GPT-OSS; it takes probability and gives no value). `choose` picks the
-kernel for a model config and the devices it runs on; where a kernel cannot compute what the config asks, it
-picks XLA and says why, so a run never gets a silently different result.
+learned sink logit per head joining every softmax row (GPT-OSS: it takes probability and gives no value).
+`choose` picks the kernel for a model config and the devices it runs on; where a kernel cannot compute what the
+config asks, it picks XLA and says why, so a run never gets a silently different result.
 """
 
 from __future__ import annotations

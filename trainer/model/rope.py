@@ -22,7 +22,8 @@ Array = jax.Array
 def _plain(theta: float, dim: int, pairs: int | None = None) -> np.ndarray:
     """theta ** (-2i / dim) for the first `pairs` (default dim / 2) pairs, in float32 as transformers computes it."""
     pairs = dim // 2 if pairs is None else pairs
-    return (1.0 / (np.float32(theta) ** (np.arange(0, 2 * pairs, 2, dtype=np.float32) / np.float32(dim)))).astype(np.float32)
+    exponents = np.arange(0, 2 * pairs, 2, dtype=np.float32) / np.float32(dim)
+    return (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
 
 
 def rope_frequencies(cfg: ModelConfig, local: bool, head_dim: int | None = None) -> np.ndarray:
