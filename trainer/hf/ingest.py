@@ -123,12 +123,18 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
         return out
 
     def whole(spec: TensorSpec, name: str) -> np.ndarray:
-        """HF tensor `name` read whole, in its in-memory layout (hf_shape), dequantized when stored as MXFP4."""
+        """spec.to_ours of HF tensor `name` read whole; when it is stored as MXFP4, only the output rows the
+        parameter takes are dequantized (GPT-OSS's gate and up each take half of their fused tensor)."""
         tensor, _, _ = where[name]
         if not tensor.endswith(mxfp4.BLOCKS):
-            return read(tensor)
-        scales = read(tensor.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES, packed=True)
-        return mxfp4.dequantize(read(tensor, packed=True), scales, dtype).swapaxes(-1, -2)
+            return spec.to_ours(read(tensor))
+        blocks, scales = read(tensor, packed=True), read(tensor.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES, packed=True)
+        rows = _output_columns(spec)
+        if rows is None:
+            return spec.to_ours(mxfp4.dequantize(blocks, scales, dtype).swapaxes(-1, -2))
+        if len(rows) < spec.hf_shape[-1]:
+            blocks, scales = blocks[..., rows, :, :], scales[..., rows, :]
+        return mxfp4.dequantize(blocks, scales, dtype).swapaxes(-1, -2)
 
     def copy(spec: TensorSpec, name: str, out: np.ndarray, first: int = 0, count: int | None = None) -> None:
         """out[...] = to_ours(rows first.. first+count of the tensor, default all), reading them once."""
@@ -168,7 +174,7 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
         if spec.whole:  # the layer's tensor of all experts: read it whole, convert in memory
             layers = range(len(names)) if parts == 1 else [k]
             for j, layer in enumerate(layers):
-                out[j] = spec.to_ours(whole(spec, names[layer]))
+                out[j] = whole(spec, names[layer])
             return
         if not spec.stacked:
             n = spec.hf_shape[0] // parts
@@ -180,6 +186,14 @@ def _converter(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool) -> Call
                 copy(spec, names[layer * per_layer + e], out[j, e] if spec.experts else out[j])
 
     return fill
+
+
+def _output_columns(spec: TensorSpec) -> np.ndarray | None:
+    """The columns of the HF tensor's last (output) axis that spec.to_ours keeps, in order, when it only selects
+    such columns; else None. Found by applying it to a probe of one row."""
+    probe = np.arange(spec.hf_shape[-1]).reshape((1,) * (len(spec.hf_shape) - 1) + (-1,))
+    kept = spec.to_ours(probe)
+    return kept.reshape(-1) if kept.shape[:-1] == probe.shape[:-1] else None
 
 
 def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
