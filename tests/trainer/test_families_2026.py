@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from configs import UserError
 from tests.trainer.hf_models_2026 import VOCAB, load_hub_format, save_hub_format, tiny_hf_model
+from tests.trainer.test_families import NEW_TOKENS, PROMPT_LEN, _assert_close, _torch_logits
 from trainer.eval.decode import generate_batch
 from trainer.hf.config import check_hf_config, model_config_from_hf, read_hf_config
 from trainer.hf.export import export_hf
@@ -28,9 +29,6 @@ from trainer.model.decoder import Transformer
 from trainer.params.reader import abstract_params, load_params
 from trainer.train.loss import token_loss
 
-REL_TOL = 2e-5
-PROMPT_LEN = 300
-NEW_TOKENS = 8
 CASES = {  # test id -> (family of the tiny model, hub format options)
     "gpt_oss": ("gpt_oss", {}),
     "gpt_oss_mxfp4": ("gpt_oss", {"mxfp4": True}),
@@ -42,17 +40,6 @@ CASES = {  # test id -> (family of the tiny model, hub format options)
 @pytest.fixture(scope="module")
 def tokens() -> np.ndarray:
     return np.random.default_rng(1).integers(1, VOCAB, (1, PROMPT_LEN))
-
-
-def _torch_logits(model: torch.nn.Module, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.float().numpy()
-
-
-def _assert_close(ours: np.ndarray, ref: np.ndarray) -> None:
-    assert ours.shape == ref.shape
-    err, scale = np.abs(ours - ref).max(), np.abs(ref).max()
-    assert err <= REL_TOL * scale, f"max |ours - HF| = {err:.3g} with logits up to {scale:.3g}"
 
 
 def _text_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

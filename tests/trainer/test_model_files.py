@@ -438,60 +438,6 @@ HUB: dict[str, dict] = {
         "use_cache": True,
         "vocab_size": 201088,
     },
-    # openai/gpt-oss-120b. Verbatim values: github.com/foxl-ai/kiln tests/test_gpt_oss.py (commit a04d1fab, `REAL`,
-    # which cites huggingface.co/openai/gpt-oss-120b/raw/main/config.json and abbreviates layer_types as
-    # 18 x [sliding, full]; written out the same way here). It is the 20b file but for num_hidden_layers 36,
-    # num_local_experts 128 and layer_types. Cross-check: a public article quoting both files in full (JSON) gives the
-    # same 120b values.
-    "gpt_oss_120b": {
-        "architectures": ["GptOssForCausalLM"],
-        "attention_bias": True,
-        "attention_dropout": 0.0,
-        "eos_token_id": 200002,
-        "experts_per_token": 4,
-        "head_dim": 64,
-        "hidden_act": "silu",
-        "hidden_size": 2880,
-        "initial_context_length": 4096,
-        "initializer_range": 0.02,
-        "intermediate_size": 2880,
-        "layer_types": ["sliding_attention", "full_attention"] * 18,
-        "max_position_embeddings": 131072,
-        "model_type": "gpt_oss",
-        "num_attention_heads": 64,
-        "num_experts_per_tok": 4,
-        "num_hidden_layers": 36,
-        "num_key_value_heads": 8,
-        "num_local_experts": 128,
-        "output_router_logits": False,
-        "pad_token_id": 199999,
-        "quantization_config": {
-            "modules_to_not_convert": [
-                "model.layers.*.self_attn",
-                "model.layers.*.mlp.router",
-                "model.embed_tokens",
-                "lm_head",
-            ],
-            "quant_method": "mxfp4",
-        },
-        "rms_norm_eps": 1e-05,
-        "rope_scaling": {
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "factor": 32.0,
-            "original_max_position_embeddings": 4096,
-            "rope_type": "yarn",
-            "truncate": False,
-        },
-        "rope_theta": 150000,
-        "router_aux_loss_coef": 0.9,
-        "sliding_window": 128,
-        "swiglu_limit": 7.0,
-        "tie_word_embeddings": False,
-        "transformers_version": "4.55.0.dev0",
-        "use_cache": True,
-        "vocab_size": 201088,
-    },
     # google/gemma-4-31B-it (the architecture of google/gemma-4-31B; the -it file's eos [1, 106]). Reconstructed, not a
     # verbatim copy: no public copy of Google's file was found. The top level and text_config are those of a public C++
     # test fixture transcribing nvidia/Gemma-4-31B-IT-NVFP4 @ 4135a98a (NVIDIA's quantized re-release of this model; its
@@ -658,6 +604,15 @@ HUB: dict[str, dict] = {
         },
         "vision_soft_tokens_per_image": 280,
     },
+}
+
+# openai/gpt-oss-120b. Verbatim values: github.com/foxl-ai/kiln tests/test_gpt_oss.py (commit a04d1fab, `REAL`,
+# which cites huggingface.co/openai/gpt-oss-120b/raw/main/config.json and abbreviates layer_types as
+# 18 x [sliding, full]; written out the same way here). It is the 20b file but for num_hidden_layers 36,
+# num_local_experts 128 and layer_types. Cross-check: a public article quoting both files in full (JSON) gives the
+# same 120b values.
+HUB["gpt_oss_120b"] = HUB["gpt_oss_20b"] | {
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "num_hidden_layers": 36, "num_local_experts": 128,
 }
 
 # Not in a config.json: our name for the model and our compute / master-weight dtypes.
