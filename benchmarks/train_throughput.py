@@ -41,7 +41,7 @@ from trainer.train.accelerators import chip_of
 from trainer.train.metrics import measure_matmul_flops, train_flops_per_step
 from trainer.model.decoder import param_count
 from trainer.train.optimizer import make_optimizer
-from trainer.model.sharding import RULES, batch_sharding, make_mesh
+from trainer.model.sharding import batch_sharding, make_mesh, use_mesh
 from trainer.train.loop import abstract_opt_state, abstract_params, init_opt_state, init_params, make_model, make_train_step
 
 SHAPES = {  # model overrides, seq, batch
@@ -96,7 +96,7 @@ def run_variant(
     cpu = device.platform == "cpu"
     anchor, cpu_anchor = matmul_anchor(device), measure_matmul_flops(2048, clock=time.process_time) if cpu else 0.0
     times, cpu_times = [], []
-    with mesh, nn.logical_axis_rules(RULES):
+    with use_mesh(mesh):
         start = time.perf_counter()
         params, opt_state, out = step(params, opt_state, data)
         jax.block_until_ready(out)

@@ -78,6 +78,7 @@ class ModelConfig(_Section):
     moe_dense_mlp: bool
     load_balance_weight: NonNegFloat
     capacity_factor: NonNegFloat
+    expert_buffer_factor: NonNegFloat
     moe_every: PosInt
 
     @property
@@ -172,9 +173,13 @@ class TrainConfig(TrainSettings):
     b2: Fraction
     grad_clip: NonNegFloat
     seed: int
-    mesh: dict[Literal["data", "fsdp", "expert", "tensor"], int]
-    dcn_mesh: dict[Literal["data", "fsdp", "expert", "tensor"], int]
-    remat: Literal["none", "minimal", "full"]
+    mesh: dict[Literal["data", "fsdp", "expert", "context", "tensor"], int]
+    dcn_mesh: dict[Literal["data", "fsdp", "expert", "context", "tensor"], int]
+    remat: Literal["none", "minimal", "full", "custom"]
+    remat_save: list[str]
+    remat_offload: list[str]
+    vocab_tiling: PosInt
+    optimizer_offload: bool
     grad_accum_steps: PosInt
     quantization: Literal["none", "int8", "fp8"]
     continue_from: Literal["", "latest_export"]

@@ -14,7 +14,7 @@ from configs import UserError, load_config
 from tests.trainer.test_train_step import _batch
 from trainer.model.kernels import choose, flash_attention, xla_attention
 from trainer.model.decoder import Transformer, init_cache
-from trainer.model.sharding import RULES, batch_sharding, make_mesh
+from trainer.model.sharding import batch_sharding, make_mesh, use_mesh
 from trainer.train.loop import abstract_params, init_params, loss_and_grads
 
 # Flash kernels sum the softmax block by block (online softmax) where XLA sums each row at once: float32
@@ -119,7 +119,7 @@ def test_model_with_splash_on_a_mesh_matches_xla(preset: str, overrides: list[st
 
     def run(model: Transformer, mesh) -> tuple:
         placed = jax.device_put(params, jax.tree.map(lambda x: x.sharding, abstract_params(model, SEQ, mesh)))
-        with mesh, nn.logical_axis_rules(RULES):
+        with use_mesh(mesh):
             step = jax.jit(lambda p, b: loss_and_grads(model, p, b))
             out, grads = jax.device_get(step(placed, jax.device_put(batch, batch_sharding(mesh))))
             return out["loss"], grads

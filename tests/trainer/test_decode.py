@@ -119,7 +119,7 @@ def test_every_parameter_has_logical_axes(model):
 
 
 def test_sharded_forward_matches_unsharded(model):
-    from trainer.model.sharding import RULES, logical_shardings, make_mesh
+    from trainer.model.sharding import logical_shardings, make_mesh, use_mesh
 
     cfg, params = model
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices()[:8])
@@ -127,7 +127,7 @@ def test_sharded_forward_matches_unsharded(model):
     sharded = jax.device_put(params, logical_shardings(boxed, mesh))
     assert tuple(sharded["layers"]["attn"]["q_proj"]["kernel"].sharding.spec) == (None, ("fsdp", "expert"), "tensor", None)
     tokens = jnp.asarray(np.random.default_rng(6).integers(1, 512, (4, 40)))
-    with mesh, nn.logical_axis_rules(RULES):
+    with use_mesh(mesh):
         got = jax.jit(Transformer(cfg).apply)({"params": sharded}, tokens)
     want = jax.jit(Transformer(cfg).apply)({"params": params}, tokens)
     np.testing.assert_allclose(got, want, atol=1e-4 * float(jnp.abs(want).max()))

@@ -11,7 +11,7 @@ import pytest
 from configs import load_config
 from tests.trainer.test_train_step import _batch
 from trainer.model.decoder import Transformer
-from trainer.model.sharding import RULES, batch_sharding, make_mesh
+from trainer.model.sharding import batch_sharding, make_mesh, use_mesh
 from trainer.train.loop import abstract_params, init_params, loss_and_grads
 
 SEQ = 32
@@ -43,7 +43,7 @@ def _reference(*overrides: str):
 def _run(model: Transformer, params, batch, axes: dict[str, int]):
     mesh = make_mesh(axes, jax.devices() if axes else jax.devices()[:1])
     placed = jax.device_put(params, jax.tree.map(lambda x: x.sharding, abstract_params(model, SEQ, mesh)))
-    with mesh, nn.logical_axis_rules(RULES):
+    with use_mesh(mesh):
         step = jax.jit(lambda p, b: loss_and_grads(model, p, b))
         out, grads = jax.device_get(step(placed, jax.device_put(batch, batch_sharding(mesh))))
         return out["loss"], grads

@@ -19,7 +19,7 @@ from trainer.model import routing as moe
 from trainer.model.decoder import Transformer
 from trainer.train.optimizer import make_optimizer
 from trainer.model.quantization import check_quantization, quantize
-from trainer.model.sharding import RULES, batch_sharding, make_mesh
+from trainer.model.sharding import batch_sharding, make_mesh, use_mesh
 from trainer.train.loop import (
     abstract_batch, abstract_opt_state, abstract_params, init_opt_state, init_params, loss_and_grads, make_model,
     make_train_step,
@@ -53,7 +53,7 @@ def _train(mode: str, steps: int, axes: dict[str, int] | None = None) -> dict:
     opt_state = init_opt_state(tx, params, mesh)
     step = make_train_step(model, tx, 1, (abstract_params(model, SEQ, mesh), abstract_opt_state(tx, params, mesh)))
     losses = []
-    with mesh, nn.logical_axis_rules(RULES):
+    with use_mesh(mesh):
         compiled = step.lower(params, opt_state, abstract_batch(BATCH, SEQ, mesh)).compile()
         for batch in _batches(steps):
             params, opt_state, out = compiled(params, opt_state, jax.device_put(batch, batch_sharding(mesh)))
@@ -118,7 +118,7 @@ def _dots(model_file: str, mode: str, *overrides: str) -> set[tuple[str, str, st
     cfg = load_config("tiny", [f"model={model_file}", f"train.quantization={mode}", *overrides])
     mesh = make_mesh({}, jax.devices()[:1])
     model = make_model(cfg.model, cfg.train, mesh, SEQ, log=lambda _: None)
-    with mesh, nn.logical_axis_rules(RULES):
+    with use_mesh(mesh):
         jaxpr = jax.make_jaxpr(lambda p, b: loss_and_grads(model, p, b))(
             abstract_params(model, SEQ, mesh), abstract_batch(2, SEQ, mesh))
     dots: set[tuple[str, str, str]] = set()

@@ -37,12 +37,12 @@ def _owners(grid: np.ndarray) -> np.ndarray:
 def test_a_dcn_mesh_of_one_slice_keeps_the_plain_mesh(axes: dict[str, int], dcn: dict[str, int] | None) -> None:
     mesh = make_mesh(axes, dcn=dcn)
     shape = tuple(mesh.shape.values())
-    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor") and np.prod(shape) == 8
+    assert mesh.axis_names == ("data", "fsdp", "expert", "context", "tensor") and np.prod(shape) == 8
     np.testing.assert_array_equal(mesh.devices, mesh_utils.create_device_mesh(shape, jax.devices()))
 
 
 def test_the_base_config_has_a_dcn_mesh_of_ones() -> None:
-    assert load_config("tiny").train.dcn_mesh == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert load_config("tiny").train.dcn_mesh == {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
     with pytest.raises(UserError, match=r"train.dcn_mesh \{.*\}: at most one axis may be -1"):
         load_config("tiny", ["train.dcn_mesh={data: -1, fsdp: -1}"])
     with pytest.raises(UserError, match="train.dcn_mesh: axis sizes must be positive or -1"):

@@ -16,7 +16,7 @@ from tests.trainer.test_metrics import read_events, tensorboard_scalars
 from tests.trainer.test_train_data import pack_documents, split_train, write_manifest, write_shard
 from trainer.model.decoder import Transformer
 from trainer.train.optimizer import make_optimizer
-from trainer.model.sharding import RULES, batch_sharding, make_mesh
+from trainer.model.sharding import batch_sharding, make_mesh, use_mesh
 from trainer.train.loop import compile_only, init_opt_state, init_params, loss_and_grads, make_train_step, train
 
 SEQ = 32
@@ -34,7 +34,7 @@ def _batch(rows: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def _loss_grads(model: Transformer, params, batch, mesh, accum: int = 1):
-    with mesh, nn.logical_axis_rules(RULES):
+    with use_mesh(mesh):
         fn = jax.jit(lambda p, b: loss_and_grads(model, p, b, accum))
         out, grads = jax.device_get(fn(params, jax.device_put(batch, batch_sharding(mesh))))
         return out["loss"], grads
@@ -76,7 +76,7 @@ def test_bfloat16_compute_keeps_float32_master_weights_and_optimizer() -> None:
     opt_state = init_opt_state(tx, params, mesh)
     batch = jax.device_put(_batch(4), batch_sharding(mesh))
     loss32, _ = _loss_grads(Transformer(cfg.model), params, batch, mesh)
-    with mesh, nn.logical_axis_rules(RULES):
+    with use_mesh(mesh):
         params, opt_state, out = make_train_step(model, tx)(params, opt_state, batch)
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
     assert {x.dtype for x in jax.tree.leaves(opt_state) if x.ndim} == {jnp.dtype("float32")}

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -14,18 +15,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import UserError
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes batch rows are split over
 
 # Logical axis -> mesh axes, first free rule wins (a mesh axis shards one dimension of an array). Batch splits
-# over data, fsdp and expert; MoE experts over expert; parameters shard their embed axis over fsdp (and expert,
-# where that is not taken by the experts) and their heads/mlp/vocab axes over tensor; the rest is replicated.
-# An array of expert slots [batch, experts, ...] thus has its batch over data and fsdp only.
+# over data, fsdp and expert; a sequence's tokens over context; MoE experts over expert; parameters shard their
+# embed axis over fsdp (and expert, where that is not taken by the experts) and their heads/mlp/vocab axes over
+# tensor; the rest is replicated. An array of expert slots [batch, experts, ...] thus has its batch over data and
+# fsdp only.
 RULES: tuple[tuple[str, Any], ...] = (
     ("experts", "expert"),
     ("batch", BATCH_AXES),
     ("batch", ("data", "fsdp")),
-    ("length", None),
+    ("length", "context"),
     ("embed", ("fsdp", "expert")),
     ("embed", "fsdp"),
     ("heads", "tensor"),
@@ -84,6 +86,17 @@ def make_mesh(
 ) -> Mesh:
     """A mesh over all (or the given) devices with axes data, fsdp, expert, tensor; see `device_grid` for `dcn`."""
     return Mesh(device_grid(axes, devices if devices is not None else jax.devices(), dcn), MESH_AXES)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
+    """Trace and run under `mesh` with RULES: the model's activation constraints (nn.with_logical_constraint) apply.
+
+    jax.set_mesh, not the legacy `with mesh:` (deprecated in jax 0.10.1), under which flax 0.12.2+ silently drops
+    every logical constraint: flax reads the mesh from jax.sharding.get_abstract_mesh(), which only set_mesh sets.
+    """
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        yield mesh
 
 
 def logical_shardings(boxed_tree: Any, mesh: Mesh) -> Any:

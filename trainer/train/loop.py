@@ -20,7 +20,7 @@ from configs import ModelConfig, TrainConfig, TrainSettings, UserError
 from trainer.model import kernels, routing
 from trainer.model.decoder import Transformer, param_count
 from trainer.model.quantization import check_quantization, quantize
-from trainer.model.sharding import BATCH_AXES, RULES, batch_sharding, logical_shardings, make_mesh, replicated
+from trainer.model.sharding import BATCH_AXES, batch_sharding, logical_shardings, make_mesh, replicated, use_mesh
 from trainer.params import reader as param_reader
 from trainer.train import checkpoint, metrics
 from trainer.train.accelerators import memory_of
@@ -71,8 +71,7 @@ def init_params(model: Transformer, seq_len: int, seed: int, mesh: jax.sharding.
     model = _for_init(model)
     boxed = jax.eval_shape(model.init, jax.random.key(seed), tokens)["params"]
     init = jax.jit(lambda key: nn.unbox(model.init(key, tokens)["params"]), out_shardings=logical_shardings(boxed, mesh))
-    # `with mesh` (not jax.set_mesh): flax.linen's logical constraints inside nn.scan need the legacy context.
-    with mesh, nn.logical_axis_rules(RULES):
+    with use_mesh(mesh):
         return init(jax.random.key(seed))
 
 
@@ -222,7 +221,7 @@ def compile_only(
     }
     start = time.perf_counter()
     try:
-        with mesh, nn.logical_axis_rules(RULES):
+        with use_mesh(mesh):
             batch = abstract_batch(train_cfg.batch_size, seq_len, mesh, documents)
             compiled = step.lower(params, opt_state, batch).compile()
     except jax.errors.JaxRuntimeError as err:
@@ -307,7 +306,7 @@ def train(
     if start < train_cfg.steps:  # (a rerun of a finished training has nothing to compile)
         with account.phase("data_wait"):
             batch = next_batch()
-        with mesh, nn.logical_axis_rules(RULES), account.phase("compile"):
+        with use_mesh(mesh), account.phase("compile"):
             step_fn = _compile_step(
                 make_train_step(model, tx, train_cfg.grad_accum_steps, (param_shapes, opt_shapes)), params, opt_state,
                 batch, run_dir / HLO_DIR if settings.hlo_dump and primary else None, log,
@@ -326,7 +325,7 @@ def train(
     validation = Validation(dataset_dir, model_cfg, settings, train_cfg.batch_size, mesh, log)
     profile = Profile(settings.profile.start, settings.profile.steps, run_dir / TENSORBOARD_DIR, start, log)
     account.begin_training()
-    with mesh, nn.logical_axis_rules(RULES), watchdog, profile:
+    with use_mesh(mesh), watchdog, profile:
         for step in range(start + 1, train_cfg.steps + 1):
             if step > start + 1:
                 with account.phase("data_wait"):
