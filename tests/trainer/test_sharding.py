@@ -59,18 +59,18 @@ def test_dcn_data_over_two_processes_gives_each_process_half_the_data_axis() -> 
     devices = _devices(2, 4)
     grid = device_grid({"fsdp": -1}, devices, {"data": 2})
     assert grid.shape == (2, 4, 1, 1, 1)  # data = 2 (DCN) x 1 (ICI), fsdp = 1 x 4, expert = tensor = 1
-    np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0], [[0] * 4, [1] * 4])
+    np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0, 0], [[0] * 4, [1] * 4])
     assert list(grid.flat) == devices  # each process's devices in their own order
 
     grid = device_grid({"data": -1, "fsdp": 2}, devices, {"data": -1})  # -1 fills 2 processes, then 2 devices each
     assert grid.shape == (4, 2, 1, 1)
-    np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0], [[0, 0], [0, 0], [1, 1], [1, 1]])
+    np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0, 0], [[0, 0], [0, 0], [1, 1], [1, 1]])
 
 
 def test_dcn_axes_multiply_the_ici_axes_of_the_same_name() -> None:
     grid = device_grid({"data": 2, "fsdp": 2}, _devices(2, 4), {"fsdp": 2})
     assert grid.shape == (2, 4, 1, 1, 1)  # fsdp = 2 (DCN) x 2 (ICI): process 0 holds fsdp 0-1, process 1 fsdp 2-3
-    np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0], [[0, 0, 1, 1], [0, 0, 1, 1]])
+    np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0, 0], [[0, 0, 1, 1], [0, 0, 1, 1]])
 
     grid = device_grid({"tensor": -1}, _devices(4, 2), {"data": 2, "fsdp": 2})
     assert grid.shape == (2, 2, 1, 2)  # tensor stays inside each process
