@@ -63,7 +63,7 @@ def test_dcn_data_over_two_processes_gives_each_process_half_the_data_axis() -> 
     assert list(grid.flat) == devices  # each process's devices in their own order
 
     grid = device_grid({"data": -1, "fsdp": 2}, devices, {"data": -1})  # -1 fills 2 processes, then 2 devices each
-    assert grid.shape == (4, 2, 1, 1)
+    assert grid.shape == (4, 2, 1, 1, 1)
     np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0, 0], [[0, 0], [0, 0], [1, 1], [1, 1]])
 
 
@@ -73,8 +73,8 @@ def test_dcn_axes_multiply_the_ici_axes_of_the_same_name() -> None:
     np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0, 0], [[0, 0, 1, 1], [0, 0, 1, 1]])
 
     grid = device_grid({"tensor": -1}, _devices(4, 2), {"data": 2, "fsdp": 2})
-    assert grid.shape == (2, 2, 1, 2)  # tensor stays inside each process
-    np.testing.assert_array_equal(_owners(grid)[:, :, 0], [[[0, 0], [1, 1]], [[2, 2], [3, 3]]])
+    assert grid.shape == (2, 2, 1, 1, 2)  # tensor stays inside each process
+    np.testing.assert_array_equal(_owners(grid)[:, :, 0, 0], [[[0, 0], [1, 1]], [[2, 2], [3, 3]]])
 
 
 def test_tpu_slices_are_the_dcn_granules_elsewhere_processes() -> None:
