@@ -38,6 +38,18 @@ def test_flops_are_six_n_tokens_plus_attention(overrides: list[str]) -> None:
     assert train_flops_per_step(cfg, batch, seq) == pytest.approx(6 * n * batch * seq + attention, rel=1e-9)
 
 
+def test_sliding_window_layers_count_their_window_not_the_whole_sequence() -> None:
+    """MaxText's count: a local layer scores seq x window (halved for causality), a global one seq x seq."""
+    batch, seq, window = 2, 256, 64
+    full = load_config("tiny", ["model.global_every=2"]).model  # no window: every layer global
+    windowed = load_config("tiny", ["model.global_every=2", f"model.sliding_window={window}"]).model
+    per_layer_square = 3 * 4 * batch * seq * full.num_heads * full.head_dim / 2  # x span
+    local_layers = full.num_layers // 2
+    saved = local_layers * per_layer_square * (seq - window)
+    assert train_flops_per_step(full, batch, seq) - train_flops_per_step(windowed, batch, seq) == pytest.approx(saved)
+    assert train_flops_per_step(windowed, batch, window) == train_flops_per_step(full, batch, window)  # window >= seq
+
+
 
 @pytest.mark.parametrize("kind, chip", [
     ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"), ("NVIDIA A100-SXM4-40GB", "A100 40GB"),

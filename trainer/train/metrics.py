@@ -14,7 +14,8 @@ from trainer.train.accelerators import chip_of
 
 
 def train_flops_per_step(cfg: ModelConfig, batch: int, seq_len: int) -> float:
-    """Forward + backward FLOPs of one step on `batch` sequences (matmuls only; causal attention halved).
+    """Forward + backward FLOPs of one step on `batch` sequences (matmuls only; causal attention halved, sliding-window
+    layers over their window).
 
     An MoE layer counts its router and the k experts each token runs through (active parameters), as MaxText does,
     plus the dense MLP beside them where there is one (Gemma 4). Each layer counts its own heads (Gemma 4's global
@@ -29,7 +30,9 @@ def train_flops_per_step(cfg: ModelConfig, batch: int, seq_len: int) -> float:
         ffn = sparse + (dense if cfg.moe_dense_mlp else 0) if is_moe else dense
         qkv = 2 * tokens * cfg.emb_dim * (cfg.num_heads + (1 if k_eq_v else 2) * kv_heads) * head_dim
         out = 2 * tokens * cfg.emb_dim * cfg.num_heads * head_dim
-        attention = 4 * tokens * seq_len * cfg.num_heads * head_dim / 2
+        # Causal attention scores half the [seq, span] square; a local layer's span is its window (MaxText's count).
+        span = seq_len if is_global or not cfg.sliding_window else min(cfg.sliding_window, seq_len)
+        attention = 4 * tokens * span * cfg.num_heads * head_dim / 2
         total += ffn + qkv + out + attention
     unembed = 2 * tokens * cfg.emb_dim * cfg.vocab_size
     return 3 * (total + unembed)
