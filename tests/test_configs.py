@@ -16,7 +16,7 @@ def test_merge_order_base_model_preset_overrides():
     assert cfg.model.vocab_size == 512  # from models/tiny.yml
     assert cfg.data.seq_len == 64  # from presets/tiny.yml
     assert cfg.train.steps == 7 and cfg.model.emb_dim == 32  # overrides win
-    assert cfg.train.mesh == {"data": -1, "fsdp": 2, "expert": 1, "tensor": 1}  # merged into the base mesh
+    assert cfg.train.mesh == {"data": -1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 1}  # merged into the base mesh
     assert cfg.eval.prompt == "def f(x):"  # strings are taken verbatim
 
 

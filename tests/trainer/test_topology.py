@@ -53,7 +53,7 @@ def _compile(*overrides: str, seq: int = 128, slice_name: str = "v5e-4") -> tupl
 def test_tiny_model_compiles_for_a_tpu_slice_with_splash_attention() -> None:
     report, lines = _compile("train.mesh={fsdp: 2, tensor: 2}", "model.dtype=bfloat16")
     assert lines[0] == "attention: splash"  # auto on TPU devices, document masks as segment ids
-    assert report["target"] == "v5e-4 (4 x TPU v5 lite)" and report["mesh"] == {"data": 1, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert report["target"] == "v5e-4 (4 x TPU v5 lite)" and report["mesh"] == {"data": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     assert report["fits"] and 0 < report["peak_bytes_per_device"] < report["capacity_bytes_per_device"]
     assert "fits" in lines[-1] and "15.75 GiB" in lines[-1]
 
@@ -61,7 +61,7 @@ def test_tiny_model_compiles_for_a_tpu_slice_with_splash_attention() -> None:
 @needs_libtpu
 def test_several_slices_come_from_the_dcn_mesh() -> None:
     report, lines = _compile("train.mesh={fsdp: -1}", "train.dcn_mesh={data: 2}")
-    assert report["target"] == "2 x v5e-4 (8 x TPU v5 lite)" and report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert report["target"] == "2 x v5e-4 (8 x TPU v5 lite)" and report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
     assert report["fits"]
 
 

@@ -49,7 +49,7 @@ _HF_KEYS = {
 }
 # Fields that do not change what the weights compute, so a checkpoint need not match them.
 _FREE_FIELDS = ("name", "max_seq_len", "init_std", "dtype", "param_dtype", "attention", "load_balance_weight",
-                "capacity_factor")
+                "capacity_factor", "expert_buffer_factor")
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -112,6 +112,7 @@ def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
             dtype="float32",
             param_dtype="float32",
             attention="auto",
+            expert_buffer_factor=0.0,
             **features,
         )
     except ValidationError as err:

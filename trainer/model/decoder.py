@@ -30,6 +30,7 @@ With several blocks per unit, block j's parameters sit under layers/block_{j}/, 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,6 @@ import flax.linen as nn
 from configs import ModelConfig
 from trainer.model.attention import Attention, masks
 from trainer.model.layers import LayerKind, head_geometry, layer_is_global, unit_count, unit_kinds
-from trainer.model.linears import Linear
 from trainer.model.mlp import MLP
 from trainer.model.moe import MoE
 from trainer.model.norms import norm
@@ -46,12 +46,36 @@ from trainer.model.norms import norm
 Array = jax.Array
 
 # What the backward pass keeps from the forward pass of each layer (the rest is recomputed):
-# none = everything, minimal = the matmul outputs, full = only the layer's input.
+# none = everything, minimal = the matmul outputs, full = only the layer's input, custom = the activations named
+# (jax.ad_checkpoint.checkpoint_name) in REMAT_NAMES that the run lists, on device or in host memory.
 REMAT_POLICIES = {
     "none": None,
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
+    "custom": None,  # see remat_policy
 }
+REMAT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_out", "out_proj", "mlp_gate", "mlp_up", "mlp_out")
+
+
+def remat_policy(remat: str, save: Sequence[str] = (), offload: Sequence[str] = ()) -> Callable | None:
+    """The checkpoint policy of a REMAT_POLICIES key; `custom` keeps `save` on device and moves `offload` to host."""
+    if remat != "custom":
+        return REMAT_POLICIES[remat]
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(save), names_which_can_be_offloaded=list(offload),
+        offload_src="device", offload_dst="pinned_host",
+    )
+
+
+def logits_of(cfg: ModelConfig, kernel: Array, x: Array) -> Array:
+    """The output head: hidden states x [..., embed] times kernel [embed, vocab] -> float32 logits, soft-capped."""
+    dtype = jnp.dtype(cfg.dtype)
+    # One 2-D matmul over all leading dims (see linears.Linear for why).
+    logits = jax.lax.dot_general(x.reshape(-1, x.shape[-1]).astype(dtype), kernel.astype(dtype), (((1,), (0,)), ((), ())))
+    logits = logits.reshape(*x.shape[:-1], kernel.shape[-1]).astype(jnp.float32)
+    if cfg.final_softcap:
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
@@ -130,6 +154,9 @@ class Blocks(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only LM: tokens [batch, seq] -> float32 logits [batch, seq, vocab].
 
+    With `hidden`, it returns the final hidden states [batch, seq, embed] and the output head's kernel [embed,
+    vocab] instead, for a loss that computes the logits a tile at a time (`logits_of`).
+
     With `cache` (from `init_cache`), the tokens are written to the cache from slot cache["index"] on,
     attend to everything cached before them, and the call returns (logits, updated cache).
     An MoE model sows its router statistics per MoE layer (routing.router_stats, over the tokens of segments > 0)
@@ -140,13 +167,16 @@ class Transformer(nn.Module):
 
     cfg: ModelConfig
     remat: str = "none"  # a key of REMAT_POLICIES
+    remat_save: tuple[str, ...] = ()  # remat custom: names of REMAT_NAMES kept on device ...
+    remat_offload: tuple[str, ...] = ()  # ... and in host memory
     attention: str = "xla"
     mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
     def __call__(
-        self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None, cache: dict | None = None
-    ) -> Array | tuple[Array, dict]:
+        self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None, cache: dict | None = None,
+        hidden: bool = False,
+    ) -> Array | tuple[Array, Array] | tuple[Array, dict]:
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         if positions is None:
@@ -170,7 +200,8 @@ class Transformer(nn.Module):
         single = len(kinds) == 1  # one block per unit: its parameters directly under layers/
         unit = Block if single else Blocks
         if self.remat != "none":
-            unit = nn.remat(unit, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+            policy = remat_policy(self.remat, self.remat_save, self.remat_offload)
+            unit = nn.remat(unit, policy=policy, prevent_cse=False)
         layers = nn.scan(
             unit, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0, 0), length=unit_count(cfg),
@@ -186,17 +217,24 @@ class Transformer(nn.Module):
         if stats:
             self.sow("intermediates", "moe", stats)
         x = norm(cfg, "final_norm")(x)
-        if cfg.tie_embeddings:
-            logits = embed.attend(x.reshape(-1, cfg.emb_dim))
-        else:
-            logits = Linear((cfg.vocab_size,), ("embed", "vocab"), cfg.init_std, dtype, pdtype, name="lm_head")(x)
-        logits = logits.reshape(*tokens.shape, cfg.vocab_size).astype(jnp.float32)
-        if cfg.final_softcap:
-            logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-        logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+        kernel = embed.embedding.T if cfg.tie_embeddings else Head(cfg, name="lm_head")()
+        if hidden:
+            return x, kernel
+        logits = nn.with_logical_constraint(logits_of(cfg, kernel, x), ("batch", "length", "vocab"))
         if cache is None:
             return logits
         return logits, {"kv": (kv,) if single else kv, "pos": slot_pos, "index": cache["index"] + tokens.shape[1]}
+
+
+class Head(nn.Module):
+    """The output head's kernel [embed, vocab] (untied embeddings); `logits_of` applies it."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self) -> Array:
+        init = nn.with_logical_partitioning(nn.initializers.normal(self.cfg.init_std), ("embed", "vocab"))
+        return self.param("kernel", init, (self.cfg.emb_dim, self.cfg.vocab_size), jnp.dtype(self.cfg.param_dtype))
 
 
 def param_count(params: dict) -> int:

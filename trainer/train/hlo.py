@@ -18,6 +18,10 @@ def memory_report(compiled: jax.stages.Compiled, capacity: int | None) -> dict[s
         f"{name}_bytes": int(getattr(memory, f"{name}_size_in_bytes", 0) or 0)
         for name in ("argument", "output", "temp", "alias", "generated_code")
     }
+    # What the program keeps in host memory (offloaded optimizer state and activations), apart from the device's.
+    sizes["host_bytes"] = sum(
+        int(getattr(memory, f"host_{name}_size_in_bytes", 0) or 0) for name in ("argument", "output", "temp")
+    ) - int(getattr(memory, "host_alias_size_in_bytes", 0) or 0)
     # Donated inputs alias outputs: count those bytes once.
     peak = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
     return {**sizes, "peak_bytes_per_device": peak, "fits": None if capacity is None else peak <= capacity}
@@ -35,6 +39,7 @@ def describe_memory(report: dict[str, Any], capacity: int | None, capacity_sourc
         f"about {gib(peak):.3f} GiB per device (arguments {gib(report['argument_bytes']):.3f}, outputs "
         f"{gib(report['output_bytes'] - report['alias_bytes']):.3f} beyond the donated arguments, temporaries "
         f"{gib(report['temp_bytes']):.3f}){verdict}"
+        + (f"; {gib(report['host_bytes']):.3f} GiB in host memory" if report.get("host_bytes") else "")
     )
 
 

@@ -18,7 +18,7 @@ import flax.linen as nn
 
 from configs import ModelConfig, TrainConfig, TrainSettings, UserError
 from trainer.model import kernels, routing
-from trainer.model.decoder import Transformer, param_count
+from trainer.model.decoder import REMAT_NAMES, Transformer, param_count
 from trainer.model.quantization import check_quantization, quantize
 from trainer.model.sharding import BATCH_AXES, batch_sharding, logical_shardings, make_mesh, replicated, use_mesh
 from trainer.params import reader as param_reader
@@ -27,7 +27,7 @@ from trainer.train.accelerators import memory_of
 from trainer.train.data import format_of, sequence_length, shard_paths, train_iterator
 from trainer.train.goodput import GOODPUT_FILE, Goodput
 from trainer.train.hlo import HLO_DIR, describe_memory, dump, memory_report
-from trainer.train.loss import token_loss
+from trainer.train.loss import tiled_token_loss
 from trainer.train.optimizer import learning_rate_schedule, make_optimizer
 from trainer.train.run_log import MetricsLog, Profile, StepLog, Validation
 from trainer.train.topology import slice_devices
@@ -49,7 +49,14 @@ def make_model(
     warning = check_quantization(train_cfg.quantization, mesh.devices.flat[0])
     if warning:
         log(f"warning: {warning}")
-    return quantize(Transformer(model_cfg, remat=train_cfg.remat, attention=kernel, mesh=mesh), train_cfg.quantization)
+    unknown = set(train_cfg.remat_save + train_cfg.remat_offload) - set(REMAT_NAMES)
+    if unknown:
+        raise UserError(f"train.remat_save/remat_offload name {sorted(unknown)}; the model names {list(REMAT_NAMES)}")
+    if (train_cfg.remat_save or train_cfg.remat_offload) and train_cfg.remat != "custom":
+        raise UserError(f"train.remat_save and train.remat_offload need train.remat=custom (it is {train_cfg.remat})")
+    model = Transformer(model_cfg, remat=train_cfg.remat, remat_save=tuple(train_cfg.remat_save),
+                        remat_offload=tuple(train_cfg.remat_offload), attention=kernel, mesh=mesh)
+    return quantize(model, train_cfg.quantization)
 
 
 def _for_init(model: Transformer) -> Transformer:
@@ -60,8 +67,10 @@ def _for_init(model: Transformer) -> Transformer:
 def abstract_params(model: Transformer, seq_len: int, mesh: jax.sharding.Mesh) -> Any:
     """Shapes, dtypes and mesh shardings of the params, without allocating them."""
     boxed = jax.eval_shape(_for_init(model).init, jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))["params"]
+    # The boxes' values, not nn.unbox: under a mesh that would constrain the shapes, which are no arrays.
+    shapes = jax.tree.map(lambda b: b.value, boxed, is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
     return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), logical_shardings(boxed, mesh)
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, logical_shardings(boxed, mesh)
     )
 
 
@@ -75,22 +84,29 @@ def init_params(model: Transformer, seq_len: int, seed: int, mesh: jax.sharding.
         return init(jax.random.key(seed))
 
 
-def abstract_opt_state(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Shapes and shardings of the optimizer state: laid out like the params it tracks, scalars replicated."""
+def abstract_opt_state(
+    tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh, offload: bool = False
+) -> Any:
+    """Shapes and shardings of the optimizer state: laid out like the params it tracks (in host memory with
+    `offload`), scalars replicated."""
     abstract = jax.eval_shape(tx.init, params)
+    kind = "pinned_host" if offload else "device"
     shardings = optax.tree_utils.tree_map_params(
-        tx, lambda _, p: p.sharding, abstract, params, transform_non_params=lambda _: replicated(mesh),
+        tx, lambda _, p: p.sharding.with_memory_kind(kind), abstract, params,
+        transform_non_params=lambda _: replicated(mesh),
     )
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
 
-def init_opt_state(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> Any:
+def init_opt_state(
+    tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh, offload: bool = False
+) -> Any:
     """The optimizer's initial state in its sharded layout (float32 moments for float32 params)."""
-    return jax.jit(tx.init, out_shardings=_shardings(abstract_opt_state(tx, params, mesh)))(params)
+    return jax.jit(tx.init, out_shardings=_shardings(abstract_opt_state(tx, params, mesh, offload)))(params)
 
 
 def loss_and_grads(
-    model: Transformer, params: Any, batch: Batch, accum_steps: int = 1
+    model: Transformer, params: Any, batch: Batch, accum_steps: int = 1, vocab_tiles: int = 1
 ) -> tuple[dict[str, jax.Array], Any]:
     """Mean next-token loss over the batch's unmasked targets (and MoE router metrics), and the objective's gradient.
 
@@ -98,17 +114,19 @@ def loss_and_grads(
     end makes the result the same as the whole batch at once. Microbatch j takes rows j, j + accum_steps, ...
     so every device keeps its own rows (no data moves between devices). An MoE model's objective adds
     model.load_balance_weight times the load-balancing loss of each microbatch, weighted by its tokens.
+    The logits are computed `vocab_tiles` sequence tiles at a time (loss.tiled_token_loss).
     """
     cfg = model.cfg
 
     def sums(p: Any, b: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         inputs = (b["inputs"], b.get("positions"), b.get("segment_ids"))
         if not cfg.moe:
-            total, count = token_loss(model.apply({"params": p}, *inputs), b["targets"], b["mask"])
+            x, kernel = model.apply({"params": p}, *inputs, hidden=True)
+            total, count = tiled_token_loss(cfg, x, kernel, b["targets"], b["mask"], vocab_tiles)
             return total, {"loss": total, "count": count}
-        logits, state = model.apply({"params": p}, *inputs, mutable=["intermediates"])
+        (x, kernel), state = model.apply({"params": p}, *inputs, hidden=True, mutable=["intermediates"])
         stats = state["intermediates"]["moe"][0]
-        total, count = token_loss(logits, b["targets"], b["mask"])
+        total, count = tiled_token_loss(cfg, x, kernel, b["targets"], b["mask"], vocab_tiles)
         balance = routing.load_balance_loss(stats) * count
         return total + cfg.load_balance_weight * balance, {
             "loss": total, "count": count, "load_balance_loss": balance, "expert_pairs": jnp.sum(stats["counts"], 0),
@@ -145,15 +163,21 @@ def loss_and_grads(
 
 def make_train_step(
     model: Transformer, tx: optax.GradientTransformation, accum_steps: int = 1,
-    abstract_state: tuple[Any, Any] | None = None,
+    abstract_state: tuple[Any, Any] | None = None, vocab_tiles: int = 1,
 ) -> Callable:
     """(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm, MoE metrics}); the old state is donated.
 
-    With `abstract_state` (abstract params and optimizer state), the new state keeps exactly their shardings.
+    With `abstract_state` (abstract params and optimizer state), the new state keeps exactly their shardings; an
+    optimizer state kept in host memory (abstract_opt_state's `offload`) comes to the devices for the update only.
     """
+    on_device = None
+    if abstract_state is not None:
+        on_device = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), abstract_state[1])
 
     def step(params: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, dict[str, jax.Array]]:
-        out, grads = loss_and_grads(model, params, batch, accum_steps)
+        out, grads = loss_and_grads(model, params, batch, accum_steps, vocab_tiles)
+        if on_device is not None:
+            opt_state = jax.device_put(opt_state, on_device)  # a no-op unless it lives in host memory
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {**out, "grad_norm": optax.tree.norm(grads)}
 
@@ -206,8 +230,8 @@ def compile_only(
     check_batch(train_cfg, mesh)
     model, tx = make_model(model_cfg, train_cfg, mesh, seq_len, log), make_optimizer(train_cfg)
     params = abstract_params(model, seq_len, mesh)
-    opt_state = abstract_opt_state(tx, params, mesh)
-    step = make_train_step(model, tx, train_cfg.grad_accum_steps, (params, opt_state))
+    opt_state = abstract_opt_state(tx, params, mesh, train_cfg.optimizer_offload)
+    step = make_train_step(model, tx, train_cfg.grad_accum_steps, (params, opt_state), train_cfg.vocab_tiling)
     device = mesh.devices.flat[0]
     target = f"{mesh.size} x {device.device_kind}"
     if topology:
@@ -275,7 +299,7 @@ def train(
         log(f"warning: model.param_dtype={model_cfg.param_dtype} keeps master weights and Adam moments in "
             f"{model_cfg.param_dtype}; for low-precision compute set model.dtype=bfloat16 and keep param_dtype float32")
     param_shapes = abstract_params(model, seq_len, mesh)
-    opt_shapes = abstract_opt_state(tx, param_shapes, mesh)
+    opt_shapes = abstract_opt_state(tx, param_shapes, mesh, train_cfg.optimizer_offload)
     data = train_iterator(
         paths, train_cfg.batch_size // jax.process_count(), train_cfg.seed, jax.process_index(), jax.process_count(), fmt
     )
@@ -292,7 +316,7 @@ def train(
             log(f"initialised from {init_params_dir}")
         else:
             params = init_params(model, seq_len, train_cfg.seed, mesh)
-        opt_state = init_opt_state(tx, params, mesh)
+        opt_state = init_opt_state(tx, params, mesh, train_cfg.optimizer_offload)
     log(
         f"model {model_cfg.name}: {param_count(params):,} parameters; mesh {dict(mesh.shape)} over {mesh.size} devices "
         f"in {jax.process_count()} process(es); {fmt.packing} records of {seq_len} tokens"
@@ -308,7 +332,8 @@ def train(
             batch = next_batch()
         with use_mesh(mesh), account.phase("compile"):
             step_fn = _compile_step(
-                make_train_step(model, tx, train_cfg.grad_accum_steps, (param_shapes, opt_shapes)), params, opt_state,
+                make_train_step(model, tx, train_cfg.grad_accum_steps, (param_shapes, opt_shapes), train_cfg.vocab_tiling),
+                params, opt_state,
                 batch, run_dir / HLO_DIR if settings.hlo_dump and primary else None, log,
             )
     host = f" on host {jax.process_index()} ({socket.gethostname()})" if jax.process_count() > 1 else ""

@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import flax.linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import ModelConfig, UserError
 from trainer.train.data import eval_batches
-from trainer.model.decoder import Transformer
+from trainer.model.decoder import Transformer, logits_of
 from trainer.model.sharding import BATCH_AXES
 
 Array = jax.Array
@@ -30,6 +31,32 @@ def token_loss(logits: Array, targets: Array, mask: Array) -> tuple[Array, Array
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     keep = mask > 0
     return jnp.sum(jnp.where(keep, losses, 0.0)), jnp.sum(keep, dtype=jnp.float32)
+
+
+def tiled_token_loss(
+    cfg: ModelConfig, x: Array, kernel: Array, targets: Array, mask: Array, tiles: int = 1
+) -> tuple[Array, Array]:
+    """token_loss of the logits of hidden states x [batch, seq, embed] through the head `kernel`, `tiles` sequence
+    tiles at a time: no whole float32 [batch, seq, vocab] logits exist, forward or backward (MaxText's vocabulary
+    tiling). The backward pass recomputes each tile's logits."""
+    logits = lambda h: nn.with_logical_constraint(logits_of(cfg, kernel, h), ("batch", "length", "vocab"))  # noqa: E731
+    if tiles == 1:
+        return token_loss(logits(x), targets, mask)
+    batch, seq = targets.shape
+    if seq % tiles:
+        raise UserError(f"train.vocab_tiling ({tiles}) must divide the sequence length ({seq})")
+
+    def split(a: Array) -> Array:  # [batch, seq, ...] -> [tiles, batch, seq / tiles, ...]: each tile keeps the batch
+        return a.reshape(batch, tiles, seq // tiles, *a.shape[2:]).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def tile(sums: tuple[Array, Array], inputs: tuple[Array, Array, Array]) -> tuple[tuple[Array, Array], None]:
+        total, count = token_loss(logits(inputs[0]), inputs[1], inputs[2])
+        return (sums[0] + total, sums[1] + count), None
+
+    zero = jnp.zeros((), jnp.float32)
+    sums, _ = jax.lax.scan(tile, (zero, zero), (split(x), split(targets), split(mask)))
+    return sums
 
 
 @functools.cache
