@@ -114,3 +114,18 @@ def test_an_offloaded_optimizer_state_leaves_the_tpu_chips_memory() -> None:
     moments = 2 * 4 * plain["parameters"] // 4  # two float32 Adam moments, split 4 ways
     assert plain["host_bytes"] == 0 and offloaded["host_bytes"] >= moments
     assert offloaded["argument_bytes"] <= plain["argument_bytes"] - moments
+
+
+def test_named_activations_stay_on_the_tpu_or_move_to_its_host() -> None:
+    """Saving two MLP activations of each layer costs device memory over remat full; offloading them costs host
+    memory instead (v5p-8, compiled from this host)."""
+    cfg = load_config("tiny", ["train.mesh={fsdp: 4}", "train.batch_size=8"])
+    report = lambda **update: compile_only(  # noqa: E731
+        cfg.model, cfg.train.model_copy(update=update), 256, log=lambda _: None, topology="v5p-8")
+    full = report(remat="full")
+    saved = report(remat="custom", remat_save=["mlp_gate", "mlp_up"])
+    offloaded = report(remat="custom", remat_offload=["mlp_gate", "mlp_up"])
+    # Two [8 / 4 rows, 256, mlp_dim] float32 activations per layer and device (measured: exactly this on host).
+    per_device = 2 * cfg.model.num_layers * (8 // 4) * 256 * cfg.model.mlp_dim * 4
+    assert saved["temp_bytes"] > full["temp_bytes"] and full["host_bytes"] == saved["host_bytes"] == 0
+    assert offloaded["host_bytes"] >= per_device

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from configs import ModelConfig
 from trainer.model.linears import Linear
@@ -41,7 +42,7 @@ class MLP(nn.Module):
         cfg = self.cfg
         width = self.width or cfg.mlp_dim
         dtypes = dict(init_std=cfg.init_std, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
-        gate = Linear((width,), ("embed", "mlp"), name="gate_proj", **dtypes)(x)
-        up = Linear((width,), ("embed", "mlp"), name="up_proj", **dtypes)(x)
+        gate = checkpoint_name(Linear((width,), ("embed", "mlp"), name="gate_proj", **dtypes)(x), "mlp_gate")
+        up = checkpoint_name(Linear((width,), ("embed", "mlp"), name="up_proj", **dtypes)(x), "mlp_up")
         h = nn.with_logical_constraint(gated(cfg)(gate, up), ("batch", "length", "mlp"))
-        return Linear((cfg.emb_dim,), ("mlp", "embed"), name="down_proj", **dtypes)(h)
+        return checkpoint_name(Linear((cfg.emb_dim,), ("mlp", "embed"), name="down_proj", **dtypes)(h), "mlp_out")
