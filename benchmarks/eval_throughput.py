@@ -35,7 +35,7 @@ def _median_seconds(fn, repeats: int) -> float:
 def main(argv: list[str]) -> None:
     from configs import load_config
     from trainer.eval.decode import generate_batch
-    from trainer.eval.evaluate import _loss_step
+    from trainer.train.loss import _loss_step
     from trainer.model.decoder import Transformer, param_count
     from trainer.train.optimizer import make_optimizer
     from trainer.train.loop import make_train_step

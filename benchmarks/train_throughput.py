@@ -74,9 +74,11 @@ def matmul_anchor(device: jax.Device, clock=time.perf_counter) -> float:
 
 def run_variant(
     overrides: list[str], seq: int, batch: int, remat: str, dtype: str, attention: str, steps: int,
-    quantization: str = "none",
+    quantization: str = "none", anchors: bool = True,
 ) -> dict:
-    """Fastest and median step time, tokens/s, TFLOP/s and MFU of one variant of the model `overrides` give."""
+    """Fastest and median step time, tokens/s, TFLOP/s and MFU of one variant of the model `overrides` give.
+
+    Without `anchors` no matmul is measured (anchor_tflops, anchor_mfu and cpu_mfu are None)."""
     cfg = load_config("demo", overrides + [
         f"model.max_seq_len={seq}", f"data.seq_len={seq}", f"model.dtype={dtype}", f"model.attention={attention}",
         f"train.remat={remat}", f"train.batch_size={batch}", "train.mesh={data: 1}", f"train.quantization={quantization}",
@@ -94,7 +96,9 @@ def run_variant(
         batch_sharding(mesh),
     )
     cpu = device.platform == "cpu"
-    anchor, cpu_anchor = matmul_anchor(device), measure_matmul_flops(2048, clock=time.process_time) if cpu else 0.0
+    anchor, cpu_anchor = 0.0, 0.0
+    if anchors:
+        anchor, cpu_anchor = matmul_anchor(device), measure_matmul_flops(2048, clock=time.process_time) if cpu else 0.0
     times, cpu_times = [], []
     with use_mesh(mesh):
         start = time.perf_counter()
@@ -107,16 +111,17 @@ def run_variant(
             jax.block_until_ready(out)
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
-    if cpu:
+    if cpu and anchors:
         anchor = max(anchor, matmul_anchor(device))
         cpu_anchor = max(cpu_anchor, measure_matmul_flops(2048, clock=time.process_time))
     seconds, flops, chip = min(times), train_flops_per_step(cfg.model, batch, seq), chip_of(device)
     return {
         "attention": chosen[0].removeprefix("attention: "), "parameters": param_count(params),
         "first_step_s": compile_and_first, "step_s": seconds, "median_step_s": statistics.median(times),
-        "tokens_per_s": batch * seq / seconds, "tflops": flops / seconds / 1e12, "anchor_tflops": anchor / 1e12,
-        "anchor_mfu": flops / seconds / anchor, "mfu": flops / seconds / chip.peak_flops if chip else None,
-        "cpu_mfu": flops / min(cpu_times) / cpu_anchor if cpu else None, "loss": float(out["loss"]),
+        "tokens_per_s": batch * seq / seconds, "tflops": flops / seconds / 1e12,
+        "anchor_tflops": anchor / 1e12 if anchors else None, "anchor_mfu": flops / seconds / anchor if anchors else None,
+        "mfu": flops / seconds / chip.peak_flops if chip else None,
+        "cpu_mfu": flops / min(cpu_times) / cpu_anchor if cpu and anchors else None, "loss": float(out["loss"]),
     }
 
 

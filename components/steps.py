@@ -87,10 +87,14 @@ def plan_ingest(cfg: Config, hf_dir: str | Path, log: Log = print) -> Step:
 def plan_train(cfg: Config, dataset_dir: str | Path, init_dir: str | Path | None = None, log: Log = print) -> Step:
     """Train on the dataset, from random init or ingested params (a Model artifact of full checkpoints).
 
-    Its goodput counts from this process's start: the CLI's, a KFP task's or a custom job host's.
+    Its goodput counts from this process's start: the CLI's, a KFP task's or a custom job host's. It sets the
+    platform's default XLA flags (trainer/train/xla_flags.py), which must come before JAX's backend starts.
     """
+    from trainer.train import xla_flags
     from trainer.train.goodput import process_start
     from trainer.train.loop import train
+
+    log(xla_flags.apply())
 
     train_cfg = versions.only(cfg.train, TRAIN_FIELDS)
     settings = TrainSettings(**cfg.train.model_dump(include=set(TrainSettings.model_fields)))

@@ -26,8 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", default=None, help="the version the launcher planned: refuse to train another")
     args = parser.parse_args(argv)
     try:
-        from trainer.train import distributed
+        from trainer.train import distributed, xla_flags
 
+        xla_flags.apply()  # before jax.process_index() below starts the backend (plan_train logs the flags)
         distributed.initialize()
         import jax
 

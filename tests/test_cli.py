@@ -141,7 +141,7 @@ def test_compile_writes_a_spec_kfp_loads(tmp_path, capsys):
 def test_train_compile_only_reports_memory_without_data(capsys):
     code, out, err = maxpipe(capsys, "train", "tiny", "--compile-only", "train.mesh={fsdp: 4, tensor: 2}")
     assert code == 0, err
-    assert "mesh {'data': 1, 'fsdp': 4, 'expert': 1, 'tensor': 2}" in out and "GiB per device" in out
+    assert "mesh {'data': 1, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 2}" in out and "GiB per device" in out
     code, out, err = maxpipe(capsys, "train", "tiny", "--compile-only", "train.batch_size=6", "train.mesh={data: -1}")
     assert code == 1 and "batch_size" in one_error_line(err)
     code, out, err = maxpipe(capsys, "train", "tiny", "--compile-only", "model.attention=cudnn")

@@ -195,7 +195,7 @@ def test_pipeline_train_task_trains_on_two_hosts_through_a_custom_job(
     assert manifest["version"] == step.version, worker_logs
     assert manifest["stats"]["steps"] == 6
     assert artifacts.require_manifest(out)["version"] == step.version
-    assert "mesh {'data': 2, 'fsdp': 4, 'expert': 1, 'tensor': 1} over 8 devices" in worker_logs["workerpool0-0.log"]
+    assert "mesh {'data': 2, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 1} over 8 devices" in worker_logs["workerpool0-0.log"]
     # The second host trained too, and left the publishing to process 0.
     assert "[process 1/2]" in worker_logs["workerpool1-0.log"]
     assert "published version" not in worker_logs["workerpool1-0.log"]

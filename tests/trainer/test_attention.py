@@ -205,3 +205,15 @@ def test_cudnn_call_passes_jaxs_own_checks(monkeypatch, documents: bool, window:
     jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k))
     assert "mask_type=MaskType.CAUSAL" in jaxpr
     assert f"sliding_window_length={window or None}" in jaxpr
+
+
+@pytest.mark.parametrize("requested, device, overrides, seq, reason", [
+    ("auto", H100, ["model.dtype=bfloat16"], 256, "refuses a sequence split over train.mesh context=2"),
+    ("splash", TPU, [], 128, "tiles each context shard's 128 / 2 tokens by 128"),
+])
+def test_context_parallelism_falls_back_where_a_kernel_cannot_split_the_sequence(
+    requested, device, overrides, seq, reason
+) -> None:
+    kernel, why = choose(requested, _model(*overrides), device, seq, context=2)
+    assert kernel == "xla" and reason in why
+    assert choose("auto", _model(), TPU, 256, context=2) == ("splash", "")

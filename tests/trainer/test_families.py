@@ -184,8 +184,12 @@ def test_moe_settings_are_checked_against_the_family():
 # Gemma 4: the language model of google/gemma-4-31B-it and -26B-A4B-it summed from their safetensors headers (public
 # reports; the checkpoints' totals also hold the vision tower), the card's 30.7B and 25.2B; 26B-A4B active: the card's
 # 3.8B (3,822,530,590 by the formula).
+# Llama 3 70B: 70,553,706,496, the count public parameter tables give for Meta-Llama-3-70B (the card's 70B). Llama 3.1
+# 405B: 405,853,388,800, embeddings + untied head + 126 layers with 8 kv heads by the config.json formula (no public
+# safetensors total was found to pin it against; the card's 405B).
 PUBLISHED = {
     "llama2_7b": 6_738_415_616, "llama3_8b": 8_030_261_248, "llama3_1_8b": 8_030_261_248,
+    "llama3_70b": 70_553_706_496, "llama3_1_405b": 405_853_388_800,
     "mistral_7b": 7_241_732_096, "qwen3_0_6b": 596_049_920, "gemma_2b": 2_506_172_416,
     "gemma2_2b": 2_614_341_888, "gemma3_1b": 999_885_952, "mixtral_8x7b": 46_702_792_704,
     "mixtral_8x22b": 140_630_071_296, "qwen3_30b_a3b": 30_532_122_624,

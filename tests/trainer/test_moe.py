@@ -93,7 +93,7 @@ def test_ingested_model_balances_as_transformers_model_does(family: str, tmp_pat
 def test_compile_only_reports_expert_parallel_memory() -> None:
     cfg = load_config("tiny", MOE + ["train.batch_size=16", "train.mesh={expert: 4, fsdp: 2}"])
     report = compile_only(cfg.model, cfg.train, 64, log=lambda _: None)
-    assert report["mesh"] == {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}
+    assert report["mesh"] == {"data": 1, "fsdp": 2, "expert": 4, "context": 1, "tensor": 1}
     # float32 params and two Adam moments: 12 bytes a parameter, replicated they would all be on every device.
     # Experts split 4 ways (and fsdp 2), the rest 8 ways (embed over fsdp x expert): under a quarter of that.
     assert report["argument_bytes"] < 12 * report["parameters"] / 4

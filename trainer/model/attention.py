@@ -5,6 +5,11 @@ scale-free norm on values (Gemma 4), keys reused as values on global layers (Gem
 logit per head to every softmax row (GPT-OSS), soft-capped scores (Gemma 2), a sliding window on local layers,
 and global layers with their own head size and kv heads (Gemma 4). The scores run through the kernel chosen for
 the devices (kernels.py: XLA, cuDNN flash attention or splash).
+
+Causality is by position (a query sees the keys at or before its position), so it holds for a sequence reordered for
+context parallelism (context.py) too; the keys and values are laid out whole on every context shard, the queries
+split. Activations carry names for rematerialisation policies (jax.ad_checkpoint.checkpoint_name): query_proj,
+key_proj, value_proj (the projections), attention_out (the heads' output before o_proj) and out_proj (o_proj's).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from configs import ModelConfig
 from trainer.model.kernels import flash_attention, xla_attention
@@ -30,18 +36,25 @@ def attention_mask(segment_ids: Array | None) -> Array | None:
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
+def causal_mask(positions: Array) -> Array:
+    """[batch, 1, q, k] mask of the keys at or before each query's position, whatever order the tokens are in."""
+    return (positions[:, :, None] >= positions[:, None, :])[:, None]
+
+
 def masks(
     cfg: ModelConfig, positions: Array, segment_ids: Array | None, cache: dict | None
 ) -> tuple[dict, Array | None]:
-    """Attention masks [batch, 1, q, k] for global and/or local layers, and the cache's slot positions."""
+    """Attention masks [batch, 1, q, k] for global and/or local layers, and the cache's slot positions.
+
+    Without a cache or a window, only documents: the kernel adds causality (see Attention).
+    """
     kinds = set(layer_is_global(cfg).tolist())
     if cache is None and not cfg.sliding_window:
         return {"global": attention_mask(segment_ids)}, None
     q_pos = positions
     if cache is None:
         k_pos = positions
-        n = positions.shape[1]
-        mask = jnp.tril(jnp.ones((n, n), bool))[None]
+        mask = q_pos[:, :, None] >= k_pos[:, None, :]
         if segment_ids is not None:
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     else:  # slots up to the last new token that hold a position (left padding has none)
@@ -78,11 +91,14 @@ class Attention(nn.Module):
         dtypes = dict(init_std=cfg.init_std, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
                       use_bias=cfg.attention_bias)
 
-        def proj(name: str, heads: int, head_axis: str) -> Array:
-            return Linear((heads, head_dim), ("embed", head_axis, "head_dim"), name=name, **dtypes)(x)
+        def proj(name: str, heads: int, head_axis: str, remat_name: str) -> Array:
+            out = Linear((heads, head_dim), ("embed", head_axis, "head_dim"), name=name, **dtypes)(x)
+            out = nn.with_logical_constraint(out, ("batch", "length", head_axis, "head_dim"))
+            return checkpoint_name(out, remat_name)
 
-        q, k = proj("q_proj", cfg.num_heads, "heads"), proj("k_proj", kv_heads, "kv_heads")
-        v = k if k_eq_v else proj("v_proj", kv_heads, "kv_heads")
+        q = proj("q_proj", cfg.num_heads, "heads", "query_proj")
+        k = proj("k_proj", kv_heads, "kv_heads", "key_proj")
+        v = k if k_eq_v else proj("v_proj", kv_heads, "kv_heads", "value_proj")
         if cfg.qk_norm:
             q, k = norm(cfg, "q_norm", "head_dim")(q), norm(cfg, "k_norm", "head_dim")(k)
         if cfg.v_norm:
@@ -94,7 +110,10 @@ class Attention(nn.Module):
         else:
             inv_freq, factor = rope_frequencies(cfg, not self.kind, head_dim), attention_factor(cfg, not self.kind)
         q, k = rope(q, positions, inv_freq, factor), rope(k, positions, inv_freq, factor)
+        # Queries keep their context shard of the sequence; keys and values, projected on it, are then gathered whole.
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
+        k = nn.with_logical_constraint(k, ("batch", None, "kv_heads", "head_dim"))
+        v = nn.with_logical_constraint(v, ("batch", None, "kv_heads", "head_dim"))
         sinks = None
         if cfg.attention_sinks:
             init = nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("heads",))
@@ -121,8 +140,12 @@ class Attention(nn.Module):
                 mask = jnp.where(is_global, layer_masks["global"], layer_masks["local"])
             else:
                 (mask,) = layer_masks.values()
-            # Without a cache or a window, causality is the plain lower triangle: no dense mask to build.
+            # Without a cache or a window, causality is the plain lower triangle (no dense mask to build) unless
+            # the sequence is reordered over context shards.
             causal = kv is None and not cfg.sliding_window
+            if causal and self.mesh is not None and self.mesh.shape.get("context", 1) > 1:
+                mask, causal = causal_mask(positions) & (True if mask is None else mask), False
             out = xla_attention(q, k, v, mask, causal, scale, cfg.attn_softcap, sinks)
+        out = checkpoint_name(out, "attention_out")
         out = Linear((cfg.emb_dim,), ("heads", "head_dim", "embed"), name="o_proj", **dtypes)(out)
-        return out, kv
+        return checkpoint_name(out, "out_proj"), kv

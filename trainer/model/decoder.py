@@ -39,6 +39,7 @@ import flax.linen as nn
 from configs import ModelConfig
 from trainer.model.attention import Attention, masks
 from trainer.model.layers import LayerKind, head_geometry, layer_is_global, unit_count, unit_kinds
+from trainer.model.linears import contract
 from trainer.model.mlp import MLP
 from trainer.model.moe import MoE
 from trainer.model.norms import norm
@@ -70,9 +71,7 @@ def remat_policy(remat: str, save: Sequence[str] = (), offload: Sequence[str] = 
 def logits_of(cfg: ModelConfig, kernel: Array, x: Array) -> Array:
     """The output head: hidden states x [..., embed] times kernel [embed, vocab] -> float32 logits, soft-capped."""
     dtype = jnp.dtype(cfg.dtype)
-    # One 2-D matmul over all leading dims (see linears.Linear for why).
-    logits = jax.lax.dot_general(x.reshape(-1, x.shape[-1]).astype(dtype), kernel.astype(dtype), (((1,), (0,)), ((), ())))
-    logits = logits.reshape(*x.shape[:-1], kernel.shape[-1]).astype(jnp.float32)
+    logits = contract(x.astype(dtype), kernel.astype(dtype), 1).astype(jnp.float32)
     if cfg.final_softcap:
         logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return logits

@@ -6,26 +6,36 @@ optionally limited to a sliding window of the latest `window` tokens and to the 
 learned sink logit per head joining every softmax row (GPT-OSS: it takes probability and gives no value).
 `choose` picks the kernel for a model config and the devices it runs on; where a kernel cannot compute what the
 config asks, it picks XLA and says why, so a run never gets a silently different result.
+
+With context parallelism (the mesh's `context` axis > 1) the queries stay split over `context` and the keys and values
+are all-gathered; splash then expects the sequence reordered by context.load_balance.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import ModelConfig, UserError
+from trainer.model.context import restore_order, token_order
 from trainer.model.sharding import BATCH_AXES
 
 Array = jax.Array
 SPLASH_BLOCKS = (512, 256, 128)  # splash tiles: the largest that divides the sequence (TPU lanes are 128 wide)
 
 
-def choose(requested: str, cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: int = 1) -> tuple[str, str]:
+def choose(
+    requested: str, cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: int = 1, context: int = 1
+) -> tuple[str, str]:
     """The kernel for `model.attention` on `device`'s platform, and why it is XLA when that was not the plan.
 
     `auto` picks cuDNN on NVIDIA GPUs, splash on TPUs and XLA elsewhere. Asking for a kernel the devices
     cannot run is an error; asking for one that cannot do this model's attention falls back to XLA.
+    `tensor` and `context` are the mesh's sizes of those axes.
     """
     platform = device.platform
     nvidia = platform == "gpu" and "nvidia" in device.device_kind.lower()
@@ -36,12 +46,16 @@ def choose(requested: str, cfg: ModelConfig, device: jax.Device, seq_len: int, t
         raise UserError(f"model.attention=splash needs a TPU; this run's devices are {device.device_kind} "
                         "(use model.attention=auto or xla)")
     kernel = requested if requested != "auto" else "cudnn" if nvidia else "splash" if platform == "tpu" else "xla"
-    why = {"cudnn": _cudnn_limits, "splash": _splash_limits}.get(kernel, lambda *_: "")(cfg, device, seq_len, tensor)
+    limits = {"cudnn": _cudnn_limits, "splash": _splash_limits}.get(kernel, lambda *_: "")
+    why = limits(cfg, device, seq_len, tensor, context)
     return ("xla", why) if why else (kernel, "")
 
 
-def _cudnn_limits(cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: int) -> str:
+def _cudnn_limits(cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: int, context: int) -> str:
     """Why cuDNN flash attention (as jax.nn.dot_product_attention drives it) cannot run this model; "" if it can."""
+    if context > 1:
+        return (f"jax's cuDNN attention refuses a sequence split over train.mesh context={context} and has no causal "
+                "mask for a shard's queries")
     hopper = tuple(int(x) for x in str(getattr(device, "compute_capability", "9.0")).split(".")) >= (9, 0)
     max_dim = 256 if hopper else 128
     if cfg.dtype != "bfloat16":
@@ -58,8 +72,10 @@ def _cudnn_limits(cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: in
     return ""
 
 
-def _splash_limits(cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: int) -> str:
+def _splash_limits(cfg: ModelConfig, device: jax.Device, seq_len: int, tensor: int, context: int) -> str:
     """Why the splash kernel cannot run this model; "" if it can."""
+    if context > 1 and seq_len % (SPLASH_BLOCKS[-1] * context):
+        return f"splash attention tiles each context shard's {seq_len} / {context} tokens by {SPLASH_BLOCKS[-1]}"
     if seq_len % SPLASH_BLOCKS[-1]:
         return f"splash attention tiles sequences by {SPLASH_BLOCKS[-1]} tokens and they are {seq_len}"
     for name in ("num_kv_heads", "global_num_kv_heads"):
@@ -102,36 +118,50 @@ def flash_attention(
 ) -> Array:
     """Causal attention of a training forward pass through cuDNN or splash; `window` 0 means the whole context.
 
-    Splash is a per-device Pallas kernel: on a mesh it runs under shard_map, batch split over data x fsdp x expert and
-    heads over tensor, as the activations are laid out (see sharding.RULES). Off a TPU it runs in Pallas's
-    interpreter (tests).
+    Splash is a per-device Pallas kernel: on a mesh it runs under shard_map, batch split over data x fsdp x expert,
+    heads over tensor and queries over context (keys and values all-gathered), as the activations are laid out (see
+    sharding.RULES). Off a TPU it runs in Pallas's interpreter (tests).
     """
+    cp = _context(mesh)
     if kernel == "cudnn":
-        if sinks is not None:
-            raise ValueError("cuDNN flash attention has no attention sinks (kernels.choose picks XLA for them)")
+        if sinks is not None or cp > 1:
+            raise ValueError("cuDNN flash attention has no attention sinks nor context parallelism (kernels.choose "
+                             "picks XLA for them)")
         return _cudnn(q, k, v, segment_ids, scale, window)
     if kernel != "splash":
         raise ValueError(f"flash_attention runs cudnn or splash, not {kernel!r}")
     interpret = _platform(mesh) != "tpu"
     if mesh is None or mesh.size == 1:
-        return _splash(q, k, v, segment_ids, sinks, scale, softcap, window, interpret)
-    heads, rows = PartitionSpec(BATCH_AXES, None, "tensor", None), PartitionSpec(BATCH_AXES, None)
-    operands, specs = [q, k, v], [heads] * 3
+        splash = _splash_kernel(q.shape[1], q.shape[2], window, softcap, interpret)
+        return _splash(splash, q, k, v, segment_ids, segment_ids, sinks, scale)
+    splash = _splash_kernel(q.shape[1], q.shape[2] // mesh.shape["tensor"], window, softcap, interpret, cp)
+    queries = PartitionSpec(BATCH_AXES, "context", "tensor", None)
+    keys = PartitionSpec(BATCH_AXES, None, "tensor", None)  # whole sequences: all-gathered over context
+    # The kernel's mask info is cut along the queries, one part per context shard.
+    operands = [splash, q, k, v]
+    specs = [splash.manual_sharding_spec(NamedSharding(mesh, PartitionSpec(None, "context"))), queries, keys, keys]
     if segment_ids is not None:
-        operands, specs = operands + [segment_ids], specs + [rows]
+        operands += [segment_ids, segment_ids]
+        specs += [PartitionSpec(BATCH_AXES, "context"), PartitionSpec(BATCH_AXES, None)]
     if sinks is not None:
         operands, specs = operands + [sinks], specs + [PartitionSpec("tensor")]
 
-    def per_device(q: Array, k: Array, v: Array, *rest: Array) -> Array:
-        s = rest[0] if segment_ids is not None else None
-        sink = rest[-1] if sinks is not None else None
-        return _splash(q, k, v, s, sink, scale, softcap, window, interpret)
+    def per_device(splash: Any, q: Array, k: Array, v: Array, *rest: Array) -> Array:
+        q_segments, kv_segments = rest[:2] if segment_ids is not None else (None, None)
+        if cp > 1:  # the kernel's mask takes keys in order (its queries carry their positions)
+            k, v = restore_order(k, cp), restore_order(v, cp)
+            kv_segments = None if kv_segments is None else restore_order(kv_segments, cp)
+        return _splash(splash, q, k, v, q_segments, kv_segments, rest[-1] if sinks is not None else None, scale)
 
-    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False)(*operands)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=queries, check_vma=False)(*operands)
 
 
 def _platform(mesh: Mesh | None) -> str:
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
+def _context(mesh: Mesh | None) -> int:
+    return mesh.shape.get("context", 1) if mesh is not None else 1
 
 
 def _cudnn(q: Array, k: Array, v: Array, segment_ids: Array | None, scale: float, window: int) -> Array:
@@ -143,31 +173,40 @@ def _cudnn(q: Array, k: Array, v: Array, segment_ids: Array | None, scale: float
     )
 
 
-def _splash(
-    q: Array, k: Array, v: Array, segment_ids: Array | None, sinks: Array | None, scale: float, softcap: float,
-    window: int, interpret: bool,
-) -> Array:
-    """Splash attention on one device's [batch, seq, heads, head_dim] shard (the kernel takes heads first)."""
+def _splash_kernel(seq: int, heads: int, window: int, softcap: float, interpret: bool, cp: int = 1) -> Any:
+    """Splash attention over `seq` tokens for `heads` heads; with `cp` > 1, for queries reordered by
+    context.load_balance and cut into `cp` shards (the mask info too: see manual_sharding_spec), keys in order."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    _, seq, heads, _ = q.shape
     shape = (seq, seq)
     mask = masks.LocalMask(shape, (window - 1, 0), 0) if window else masks.CausalMask(shape)
-    block = next(b for b in SPLASH_BLOCKS if seq % b == 0) if seq % SPLASH_BLOCKS[-1] == 0 else seq
-    kernel = splash.make_splash_mha(
-        masks.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1, interpret=interpret,
+    if cp > 1:  # the mask's rows are the queries' positions (MaxText's LoadBalancedCausalMask does the same)
+        mask.q_sequence = token_order(seq, cp).astype(np.int32)
+    per_shard = seq // cp
+    block = next((b for b in SPLASH_BLOCKS if per_shard % b == 0), per_shard)
+    return splash.make_splash_mha(
+        masks.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=cp, interpret=interpret,
         block_sizes=splash.BlockSizes(
             block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
             block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
         ),
         attn_logits_soft_cap=softcap or None,
     )
+
+
+def _splash(
+    kernel: Any, q: Array, k: Array, v: Array, q_segments: Array | None, kv_segments: Array | None,
+    sinks: Array | None, scale: float,
+) -> Array:
+    """Splash attention on one device's [batch, seq, heads, head_dim] shard (the kernel takes heads first)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+
     heads_first = lambda x: x.swapaxes(1, 2)  # noqa: E731
     q, k, v = heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v)
-    if segment_ids is None:
+    if q_segments is None:
         out = jax.vmap(lambda q, k, v: kernel(q, k, v, sinks=sinks))(q, k, v)
     else:
-        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s), sinks=sinks))(
-            q, k, v, segment_ids)
+        out = jax.vmap(lambda q, k, v, sq, skv: kernel(q, k, v, segment_ids=SegmentIds(sq, skv), sinks=sinks))(
+            q, k, v, q_segments, kv_segments)
     return heads_first(out)

@@ -1,5 +1,6 @@
 """The Mixture-of-Experts layer: a router picks each token's k experts, which run dropless or with a capacity
-(routing.py), weighted and summed.
+(routing.py), weighted and summed. Dropless on a mesh with an expert axis moves the tokens to their experts by
+all-to-all (expert_parallel.py).
 
 Routers (model.router): `softmax` (Mixtral, Qwen3-MoE, GPT-OSS with model.router_bias) scores the tokens as
 they come; `gemma4` scores them RMS-normalised without weight, times a learned scale and hidden**-0.5, and
@@ -9,15 +10,18 @@ that bfloat16 rounding would flip.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
 from configs import ModelConfig
-from trainer.model import routing
+from trainer.model import expert_parallel, routing
 from trainer.model.linears import Linear
 from trainer.model.mlp import gated
 from trainer.model.norms import RMSNorm
+from trainer.model.sharding import BATCH_AXES
 
 Array = jax.Array
 
@@ -59,11 +63,22 @@ class MoE(nn.Module):
             split = lambda a: a.reshape(*x.shape[:2], -1)  # noqa: E731
             out, kept = routing.with_capacity(x, split(experts), split(weights), params, None, cfg.capacity_factor,
                                               constrain, glu=glu, biases=biases)
+        elif self._expert_parallel(x):
+            out, kept = expert_parallel.dropless_ep(x, experts, weights, params, self.mesh, glu, biases,
+                                                    buffer_factor=cfg.expert_buffer_factor)
         else:
             platform = self.mesh.devices.flat[0].platform if self.mesh is not None else ""
             out = routing.dropless(x.reshape(-1, d), experts, weights, params, None, platform, glu=glu, biases=biases)
             out = out.reshape(x.shape)
         return out.astype(dtype), routing.router_stats(experts, probs, valid, kept)
+
+    def _expert_parallel(self, x: Array) -> bool:
+        """Whether dropless runs by all-to-all over the mesh's expert axis: it has one whose shards split x evenly."""
+        mesh = self.mesh
+        if mesh is None or mesh.shape["expert"] == 1:
+            return False
+        batch_shards = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+        return x.shape[0] % batch_shards == 0 and x.shape[1] % mesh.shape.get("context", 1) == 0
 
     def _route(self, tokens: Array) -> tuple[Array, Array, Array]:
         """tokens [T, embed] -> (float32 weights [T, k], expert ids [T, k], float32 probabilities [T, E])."""

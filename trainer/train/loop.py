@@ -18,6 +18,7 @@ import flax.linen as nn
 
 from configs import ModelConfig, TrainConfig, TrainSettings, UserError
 from trainer.model import kernels, routing
+from trainer.model.context import check_sequence, load_balance
 from trainer.model.decoder import REMAT_NAMES, Transformer, param_count
 from trainer.model.quantization import check_quantization, quantize
 from trainer.model.sharding import BATCH_AXES, batch_sharding, logical_shardings, make_mesh, replicated, use_mesh
@@ -44,7 +45,8 @@ def make_model(
 ) -> Transformer:
     """The model as trained: the configured rematerialisation policy and quantization, and the attention kernel for
     the mesh's devices."""
-    kernel, why = kernels.choose(model_cfg.attention, model_cfg, mesh.devices.flat[0], seq_len, mesh.shape["tensor"])
+    kernel, why = kernels.choose(model_cfg.attention, model_cfg, mesh.devices.flat[0], seq_len, mesh.shape["tensor"],
+                                 mesh.shape["context"])
     log(f"attention: {kernel}" + (f" ({model_cfg.attention} falls back: {why})" if why else ""))
     warning = check_quantization(train_cfg.quantization, mesh.devices.flat[0])
     if warning:
@@ -114,9 +116,12 @@ def loss_and_grads(
     end makes the result the same as the whole batch at once. Microbatch j takes rows j, j + accum_steps, ...
     so every device keeps its own rows (no data moves between devices). An MoE model's objective adds
     model.load_balance_weight times the load-balancing loss of each microbatch, weighted by its tokens.
-    The logits are computed `vocab_tiles` sequence tiles at a time (loss.tiled_token_loss).
+    The logits are computed `vocab_tiles` sequence tiles at a time (loss.tiled_token_loss). On a mesh whose
+    context axis splits sequences, each is first reordered so that the shards' attention work balances.
     """
     cfg = model.cfg
+    if model.mesh is not None:
+        batch = load_balance(batch, model.mesh.shape["context"])
 
     def sums(p: Any, b: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         inputs = (b["inputs"], b.get("positions"), b.get("segment_ids"))
@@ -188,8 +193,10 @@ def make_train_step(
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=(_shardings(params), _shardings(opt_state), scalars))
 
 
-def check_batch(train_cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
-    """Refuse a batch size that the mesh's batch axes, the processes and the microbatches cannot split evenly."""
+def check_batch(train_cfg: TrainConfig, mesh: jax.sharding.Mesh, seq_len: int) -> None:
+    """Refuse a batch size that the mesh's batch axes, the processes and the microbatches cannot split evenly, and
+    sequences that the context axis cannot."""
+    check_sequence(seq_len, mesh.shape["context"])
     shards = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
     accum = train_cfg.grad_accum_steps
     if train_cfg.batch_size % (shards * accum):
@@ -227,7 +234,7 @@ def compile_only(
             raise UserError("with --topology, train.dcn_mesh gives the number of slices: sizes, not -1")
         devices = slice_devices(topology, slices)
     mesh = make_mesh(train_cfg.mesh, devices, dcn=train_cfg.dcn_mesh)
-    check_batch(train_cfg, mesh)
+    check_batch(train_cfg, mesh, seq_len)
     model, tx = make_model(model_cfg, train_cfg, mesh, seq_len, log), make_optimizer(train_cfg)
     params = abstract_params(model, seq_len, mesh)
     opt_state = abstract_opt_state(tx, params, mesh, train_cfg.optimizer_offload)
@@ -287,10 +294,10 @@ def train(
     primary = jax.process_index() == 0
     account = Goodput(run_dir / GOODPUT_FILE if primary else None, started, log=log)
     mesh = make_mesh(train_cfg.mesh, dcn=train_cfg.dcn_mesh)
-    check_batch(train_cfg, mesh)
     paths = shard_paths(dataset_dir, "train")
     fmt = format_of(paths)
     seq_len = sequence_length(paths, fmt)
+    check_batch(train_cfg, mesh, seq_len)
     if seq_len > model_cfg.max_seq_len:
         raise UserError(f"the dataset's sequences ({seq_len} tokens) exceed model.max_seq_len ({model_cfg.max_seq_len})")
 

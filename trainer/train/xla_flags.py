@@ -81,8 +81,8 @@ def detect_platform(env: Mapping[str, str] = os.environ) -> str:
 
 
 def apply(env: MutableMapping[str, str] = os.environ, platform: str | None = None, drop: Collection[str] = ()) -> str:
-    """Add the platform's defaults but `drop` (names) to its variable in `env`, keeping flags already there; returns
-    a line to log."""
+    """Add the platform's defaults (less the names in `drop`) to its variable in `env`, after the flags already
+    there, which win; returns the line to log."""
     platform = platform or detect_platform(env)
     if platform not in VARIABLE:
         return f"xla flags ({platform}): none"
@@ -92,7 +92,8 @@ def apply(env: MutableMapping[str, str] = os.environ, platform: str | None = Non
     present = {_name(f) for f in env.get(var, "").split()}
     added = [f for f in flags(platform) if _name(f) not in present and _name(f) not in drop]
     env[var] = " ".join([env.get(var, "")] + added).strip()
-    late = "; too late for this process, JAX's backend has started" if added and _backend_started() else ""
+    started = added and env is os.environ and _backend_started()
+    late = "; too late for this process, JAX's backend has started" if started else ""
     return f"xla flags ({platform}): {var}={env[var]!r} ({len(added)} defaults added){late}"
 
 
