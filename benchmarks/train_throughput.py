@@ -2,7 +2,7 @@
 
     python benchmarks/train_throughput.py [--shape cpu60m|cpu_gpt_oss|cpu_gemma4|1b|8b4|gpt_oss_20b_layer,...]
         [--seq S] [--batch B] [--steps N]
-        [--variants remat:dtype[:attention[:quantization]],...]
+        [--variants remat:dtype[:attention[:quantization]],...] [--set key=value,...]
 
 Shapes: `cpu60m` (default, sized for a 2-core CPU): emb 512, 8 layers, 8 heads (8 kv heads) of 64, SwiGLU
 mlp 1536, vocab 32000, seq 512, batch 8. `1b`: Llama 3.2 1B (emb 2048, 16 layers, 32 heads, 8 kv heads of 64,
@@ -133,16 +133,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--variants", default="none:float32,minimal:float32,full:float32,none:bfloat16",
                         help="remat:dtype[:attention[:quantization]], comma-separated")
+    parser.add_argument("--set", default="", help="extra key=value overrides for every variant, comma-separated")
     args = parser.parse_args()
     for shape in args.shape.split(","):
-        run_shape(shape, args.seq, args.batch, args.steps, args.variants)
+        run_shape(shape, args.seq, args.batch, args.steps, args.variants, [o for o in args.set.split(",") if o])
 
 
-def run_shape(shape: str, seq: int | None, batch: int | None, steps: int, variants: str) -> None:
+def run_shape(
+    shape: str, seq: int | None, batch: int | None, steps: int, variants: str, extra: list[str] | None = None
+) -> None:
     """Every variant of one shape, a line each."""
     if shape not in SHAPES:
         raise SystemExit(f"unknown shape {shape!r}: one of {', '.join(SHAPES)}")
     overrides, default_seq, default_batch = SHAPES[shape]
+    overrides = overrides + (extra or [])
     seq, batch = seq or default_seq, batch or default_batch
     device = jax.devices()[0]
     chip = chip_of(device)
