@@ -50,9 +50,13 @@ def main() -> None:
         start = time.perf_counter()
         report = compile_only(cfg.model, cfg.train.model_copy(update=LEVERS[name]), args.seq, log=lambda _: None,
                               topology=args.topology)
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        if "peak_bytes_per_device" not in report:  # refused for its host memory
+            print(f"| {name} | does not fit: needs {gib(report['host_bytes'])} of host memory per chip | | | | "
+                  f"{time.perf_counter() - start:.0f} s |", flush=True)
+            continue
         peak = report["peak_bytes_per_device"]
         anchor = anchor or peak
-        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
         fits = "" if report.get("fits", True) else " (does not fit)"
         print(f"| {name} | {gib(peak)}{fits} | {gib(report.get('temp_bytes', 0))} | {gib(report.get('host_bytes', 0))} "
               f"| {peak / anchor:.2f} | {time.perf_counter() - start:.0f} s |", flush=True)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 
+import jax
 import pytest
 
 from configs import UserError, load_config
-from trainer.train import topology
+from trainer.train import loop, topology
 from trainer.train.topology import parse_slice
 from trainer.train.loop import compile_only
 
@@ -61,7 +62,8 @@ def test_tiny_model_compiles_for_a_tpu_slice_with_splash_attention() -> None:
 @needs_libtpu
 def test_several_slices_come_from_the_dcn_mesh() -> None:
     report, lines = _compile("train.mesh={fsdp: -1}", "train.dcn_mesh={data: 2}")
-    assert report["target"] == "2 x v5e-4 (8 x TPU v5 lite)" and report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
+    assert report["target"] == "2 x v5e-4 (8 x TPU v5 lite)"
+    assert report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
     assert report["fits"]
 
 
@@ -72,3 +74,22 @@ def test_a_model_over_the_chips_memory_does_not_fit() -> None:
     report, lines = _compile("model=llama3_8b", "model.num_layers=2", "train.mesh={data: -1}", "train.batch_size=4")
     assert report["fits"] is False and report["peak_bytes_per_device"] > report["capacity_bytes_per_device"]
     assert "does not fit, needs" in lines[-1] and "of 15.75 GiB" in lines[-1]
+
+
+def test_a_program_over_the_hosts_memory_does_not_fit(monkeypatch) -> None:
+    """Offloaded activations can overflow the host memory XLA:TPU gives a chip; that too is an answer, not a crash."""
+    message = "RESOURCE_EXHAUSTED: Ran out of memory in memory space host. Used 204.75G of 128.00G host."
+
+    class Refused:
+        def lower(self, *_: object) -> "Refused":
+            return self
+
+        def compile(self) -> None:
+            raise jax.errors.JaxRuntimeError(message)
+
+    monkeypatch.setattr(loop, "make_train_step", lambda *_, **__: Refused())
+    cfg = load_config("tiny", ["train.mesh={data: -1}", "train.batch_size=8"])
+    lines: list[str] = []
+    report = loop.compile_only(cfg.model, cfg.train, 32, log=lines.append)
+    assert report["fits"] is False and report["host_bytes"] == int(204.75 * 2**30)
+    assert lines[-1].endswith("does not fit, needs 204.75 GiB of host memory of 128.00 GiB per device")

@@ -256,15 +256,22 @@ def compile_only(
             batch = abstract_batch(train_cfg.batch_size, seq_len, mesh, documents)
             compiled = step.lower(params, opt_state, batch).compile()
     except jax.errors.JaxRuntimeError as err:
-        # XLA:TPU refuses a program over the chip's memory: "... required for HLO temporaries (400.00G)
-        # exceeds available HBM (95.74G)". That is the answer, not a failure of the command.
-        needed = re.search(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(err))
-        if not needed:
+        # XLA:TPU refuses a program over the chip's memory ("... required for HLO temporaries (400.00G) exceeds
+        # available HBM (95.74G)") or over its share of host memory ("Ran out of memory in memory space host. Used
+        # 204.75G of 128.00G host"). That is the answer, not a failure of the command.
+        hbm = re.search(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(err))
+        host = re.search(r"memory space host\. Used ([\d.]+)G of ([\d.]+)G host", str(err))
+        if not hbm and not host:
             raise
-        report.update(fits=False, peak_bytes_per_device=int(float(needed[1]) * 2**30),
-                      capacity_bytes_per_device=int(float(needed[2]) * 2**30),
-                      compile_seconds=time.perf_counter() - start)
-        log(f"{target}, mesh {dict(mesh.shape)}: does not fit, needs {needed[1]} GiB of {needed[2]} GiB per device")
+        needed, where = (hbm, "") if hbm else (host, " of host memory")
+        report.update(fits=False, compile_seconds=time.perf_counter() - start)
+        if hbm:
+            report.update(peak_bytes_per_device=int(float(needed[1]) * 2**30),
+                          capacity_bytes_per_device=int(float(needed[2]) * 2**30))
+        else:
+            report.update(host_bytes=int(float(needed[1]) * 2**30))
+        log(f"{target}, mesh {dict(mesh.shape)}: does not fit, needs {needed[1]} GiB{where} of {needed[2]} GiB per "
+            "device")
         return report
     report.update(memory_report(compiled, capacity), compile_seconds=time.perf_counter() - start)
     log(f"compiled the train step for {target}, mesh {dict(mesh.shape)}, in {report['compile_seconds']:.1f}s: "
