@@ -34,7 +34,7 @@ train(cfg.model, *split_train(cfg.train), sys.argv[1], sys.argv[2],
       log=lambda line: print(jax.process_index(), line, flush=True))
 from trainer.model.sharding import make_mesh
 mesh = make_mesh(cfg.train.mesh, dcn=cfg.train.dcn_mesh)  # as train() made it: which process holds each position
-print("owners", json.dumps([[[d.process_index for d in r] for r in plane] for plane in mesh.devices[:, :, 0]]), flush=True)
+print("owners", json.dumps([[[d.process_index for d in r] for r in plane] for plane in mesh.devices[:, :, 0, 0]]), flush=True)
 """
 
 
@@ -89,10 +89,11 @@ def single_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[flo
     "mesh, shape, owners",
     [
         # One mesh over all 8 devices, in process order: process 0 holds data 0-3, process 1 data 4-7.
-        ([], "{'data': 8, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}", [[[0]], [[0]], [[0]], [[0]], [[1]], [[1]], [[1]], [[1]]]),
+        ([], "{'data': 8, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}",
+         [[[0]], [[0]], [[0]], [[0]], [[1]], [[1]], [[1]], [[1]]]),
         # data across the 2 processes (DCN), fsdp over each process's 4 devices (ICI).
-        (["train.dcn_mesh={data: 2}", "train.mesh={data: 1, fsdp: -1}"], "{'data': 2, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 1}",
-         [[[0], [0], [0], [0]], [[1], [1], [1], [1]]]),
+        (["train.dcn_mesh={data: 2}", "train.mesh={data: 1, fsdp: -1}"],
+         "{'data': 2, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 1}", [[[0], [0], [0], [0]], [[1], [1], [1], [1]]]),
     ],
     ids=["mesh", "dcn_mesh"],
 )
