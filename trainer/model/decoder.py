@@ -184,8 +184,8 @@ class Transformer(nn.Module):
             cfg.vocab_size, cfg.emb_dim, dtype=dtype, param_dtype=pdtype, name="embed",
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
         )
-        # The table gathered from laid out by vocabulary only: gathering rows of an embed-sharded table for
-        # batch-sharded ids makes XLA rematerialise the whole table on every device.
+        # Rows gathered from the table laid out by vocabulary only: from an embed-sharded table, batch-sharded ids
+        # make XLA rematerialise the whole table on every device.
         table = nn.with_logical_constraint(embed.embedding, ("vocab", None))
         x = jnp.take(table.astype(dtype), tokens, axis=0)
         if cfg.scale_embeddings:
