@@ -145,48 +145,6 @@ HUB: dict[str, dict] = {
         "use_cache": True,
         "vocab_size": 128256,
     },
-    # meta-llama/Llama-3.1-405B. No verbatim copy of this file was found. Taken from the verbatim Llama-3.1-8B file
-    # above (same release, same key set) with the 405B sizes: hidden 16384, intermediate 53248, 128 heads, 126 layers,
-    # 8 kv heads. Cross-checks: sgl-project/sglang benchmark/blog_v0_2/config.md (commit 622284e3), a dummy-weight copy
-    # of the 405B-Instruct-FP8 file (eos 128009, transformers 4.41.1, an fp8 quantization_config, a second
-    # "rope_scaling": null), gives every architecture value and the llama3 rope_scaling above; meta-llama/llama-models
-    # models/sku_list.py (commit 084b88e9, meta-llama/Meta-Llama-3.1-405B, BF16) gives dim 16384, 126 layers, 128
-    # heads, 8 kv heads, ffn_dim_multiplier 1.2 with multiple_of 4096 (= 53248), norm_eps 1e-5, rope_theta 5e5, scaled
-    # RoPE. (Copies of litgpt's config table give this model n_query_groups=16, i.e. 16 kv heads; both sources above
-    # give 8, as does the 405.85 B count pinned in test_families.py.) Non-architecture keys (transformers_version) are
-    # the 8B file's and may differ.
-    "llama3_1_405b": {
-        "architectures": ["LlamaForCausalLM"],
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
-        "hidden_act": "silu",
-        "hidden_size": 16384,
-        "initializer_range": 0.02,
-        "intermediate_size": 53248,
-        "max_position_embeddings": 131072,
-        "mlp_bias": False,
-        "model_type": "llama",
-        "num_attention_heads": 128,
-        "num_hidden_layers": 126,
-        "num_key_value_heads": 8,
-        "pretraining_tp": 1,
-        "rms_norm_eps": 1e-05,
-        "rope_scaling": {
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-            "rope_type": "llama3",
-        },
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "transformers_version": "4.43.0.dev0",
-        "use_cache": True,
-        "vocab_size": 128256,
-    },
     # mistralai/Mistral-7B-v0.1. Verbatim copy: github.com/tanganke/fusion_bench tests/test_depth_upscaling.py
     # (commit 06b59f59; it cites huggingface.co/mistralai/Mistral-7B-v0.1/resolve/main/config.json).
     # Cross-check: mlc-ai/mlc-llm model_preset.py `mistral_7b` (sliding_window renamed sliding_window_size
@@ -685,6 +643,20 @@ HUB: dict[str, dict] = {
 # same 120b values.
 HUB["gpt_oss_120b"] = HUB["gpt_oss_20b"] | {
     "layer_types": ["sliding_attention", "full_attention"] * 18, "num_hidden_layers": 36, "num_local_experts": 128,
+}
+
+# meta-llama/Llama-3.1-405B. No verbatim copy of this file was found. Taken from the verbatim Llama-3.1-8B file
+# (same release, same key set) with the 405B sizes: hidden 16384, intermediate 53248, 128 heads, 126 layers,
+# 8 kv heads. Cross-checks: sgl-project/sglang benchmark/blog_v0_2/config.md (commit 622284e3), a dummy-weight copy
+# of the 405B-Instruct-FP8 file (eos 128009, transformers 4.41.1, an fp8 quantization_config, a second
+# "rope_scaling": null), gives every architecture value and the 8B file's llama3 rope_scaling; meta-llama/llama-models
+# models/sku_list.py (commit 084b88e9, meta-llama/Meta-Llama-3.1-405B, BF16) gives dim 16384, 126 layers, 128
+# heads, 8 kv heads, ffn_dim_multiplier 1.2 with multiple_of 4096 (= 53248), norm_eps 1e-5, rope_theta 5e5, scaled
+# RoPE. (Copies of litgpt's config table give this model n_query_groups=16, i.e. 16 kv heads; both sources above
+# give 8, as does the 405.85 B count pinned in test_families.py.) Non-architecture keys (transformers_version) are
+# the 8B file's and may differ.
+HUB["llama3_1_405b"] = HUB["llama3_1_8b"] | {
+    "hidden_size": 16384, "intermediate_size": 53248, "num_attention_heads": 128, "num_hidden_layers": 126,
 }
 
 # Not in a config.json: our name for the model and our compute / master-weight dtypes.

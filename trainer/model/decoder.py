@@ -47,25 +47,25 @@ from trainer.model.norms import norm
 Array = jax.Array
 
 # What the backward pass keeps from the forward pass of each layer (the rest is recomputed):
-# none = everything, minimal = the matmul outputs, full = only the layer's input, custom = the activations named
-# (jax.ad_checkpoint.checkpoint_name) in REMAT_NAMES that the run lists, on device or in host memory.
+# none = everything, minimal = the matmul outputs, full = only the layer's input; and custom (remat_policy) = the
+# activations named (jax.ad_checkpoint.checkpoint_name) in REMAT_NAMES that the run lists, on device or in host memory.
 REMAT_POLICIES = {
     "none": None,
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "custom": None,  # see remat_policy
 }
 REMAT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_out", "out_proj", "mlp_gate", "mlp_up", "mlp_out")
 
 
 def remat_policy(remat: str, save: Sequence[str] = (), offload: Sequence[str] = ()) -> Callable | None:
-    """The checkpoint policy of a REMAT_POLICIES key; `custom` keeps `save` on device and moves `offload` to host."""
-    if remat != "custom":
-        return REMAT_POLICIES[remat]
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=list(save), names_which_can_be_offloaded=list(offload),
-        offload_src="device", offload_dst="pinned_host",
-    )
+    """The checkpoint policy of `remat` (a key of REMAT_POLICIES, or custom: `save` kept on device, `offload` moved
+    to host memory)."""
+    if remat == "custom":
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=list(save), names_which_can_be_offloaded=list(offload),
+            offload_src="device", offload_dst="pinned_host",
+        )
+    return REMAT_POLICIES[remat]
 
 
 def logits_of(cfg: ModelConfig, kernel: Array, x: Array) -> Array:
@@ -165,7 +165,7 @@ class Transformer(nn.Module):
     """
 
     cfg: ModelConfig
-    remat: str = "none"  # a key of REMAT_POLICIES
+    remat: str = "none"  # a key of REMAT_POLICIES or custom
     remat_save: tuple[str, ...] = ()  # remat custom: names of REMAT_NAMES kept on device ...
     remat_offload: tuple[str, ...] = ()  # ... and in host memory
     attention: str = "xla"
@@ -173,8 +173,8 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None, cache: dict | None = None,
-        hidden: bool = False,
+        self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None,
+        cache: dict | None = None, hidden: bool = False,
     ) -> Array | tuple[Array, Array] | tuple[Array, dict]:
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
